@@ -1,0 +1,143 @@
+"""Typed run configuration: loaded from YAML, overridden by `key=value`, validated before any work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ObjectiveName = Literal["mdc", "cmlm", "bert", "ar", "cappa"]
+PresetName = Literal["tiny", "vit_b32", "vit_b16", "vit_l14"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field and the allowed values."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    preset: PresetName = "tiny"
+    image_size: int | None = Field(None, ge=8, description="defaults to the preset's")
+    decoder_layers: int | None = Field(None, ge=1, description="defaults to the preset's")
+    time_conditioning: bool = False
+    concentrated_attention: bool = False
+
+
+class ObjectiveConfig(_Section):
+    name: ObjectiveName = "mdc"
+    omega_l: float = Field(0.5, ge=0.0, le=1.0)
+    omega_u: float = Field(1.0, ge=0.0, le=1.0)
+    antithetic: bool = True
+    mask_ratio: float = Field(0.15, gt=0.0, le=1.0, description="bert only")
+    parallel_prob: float = Field(0.75, ge=0.0, le=1.0, description="cappa only")
+
+    @model_validator(mode="after")
+    def _schedule(self) -> ObjectiveConfig:
+        if self.omega_l >= self.omega_u:
+            raise ValueError(f"omega_l must be < omega_u, got {self.omega_l} >= {self.omega_u}")
+        if self.name in ("mdc", "cmlm") and self.omega_u <= 0.0:
+            raise ValueError("omega_u must be > 0 for diffusion objectives")
+        return self
+
+
+class DataConfig(_Section):
+    train_uri: str = "runs/shapes/train"
+    val_uri: str | None = "runs/shapes/val"
+    endpoint_url: str | None = None
+    max_length: int = Field(32, ge=2, le=512)
+    shuffle_buffer: int = Field(256, ge=0)
+    tokenizer_actors: int = Field(1, ge=1)
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.05, ge=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.98, ge=0.0, lt=1.0)
+    warmup_steps: int = Field(20, ge=0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
+
+
+class TrainConfig(_Section):
+    steps: int = Field(300, ge=1)
+    batch_size: int = Field(32, ge=1, description="per worker")
+    seed: int = 0
+    checkpoint_every: int = Field(100, ge=1)
+    log_every: int = Field(10, ge=1)
+    val_every: int = Field(100, ge=1)
+    val_batches: int = Field(4, ge=1)
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(0.5, gt=0.0)
+
+
+class RunConfig(_Section):
+    name: str = "mdc-demo"
+    storage_uri: str = "runs/checkpoints"
+    mlflow_uri: str = "sqlite:///mlflow.db"
+    experiment: str = "mdc"
+    model: ModelConfig = ModelConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+
+
+def _parse_value(text: str):
+    """`key=value` values are YAML scalars: `0.5`, `true`, `null`, `mdc`."""
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        dotted, value = item.split("=", 1)
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[leaf] = _parse_value(value)
+    return raw
+
+
+def _explain(err: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(root)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"  {field}: {msg} (got {e.get('input')!r})")
+    return ConfigError(f"invalid config {source}:\n" + "\n".join(lines))
+
+
+def build_config(raw: dict, source: str = "<dict>") -> RunConfig:
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as err:
+        raise _explain(err, source) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+    return build_config(apply_overrides(raw, list(overrides)), source=str(path or "<defaults>"))
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)

@@ -1,0 +1,197 @@
+"""The captioner: a timm ViT encoder (from scratch) late-fused into a transformer decoder.
+
+Layout follows CapPa (Tschannen et al. 2023): the encoder's patch features V are the keys/values of
+cross-attention in every decoder block. The decoder's self-attention is bidirectional for masked
+diffusion and causal for autoregressive captioning; the choice is made per call (CapPa mixes both
+in one batch), so one module serves every objective.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Preset:
+    timm_name: str
+    image_size: int
+    decoder_layers: int
+    encoder_overrides: tuple = ()  # extra timm kwargs, as (key, value) pairs
+
+
+PRESETS: dict[str, Preset] = {
+    # Small enough to train on 2 CPU cores in minutes: 32 px, 4 px patches -> 64 patch tokens.
+    "tiny": Preset("vit_tiny_patch16_224", 32, 2,
+                   (("patch_size", 4), ("embed_dim", 128), ("depth", 4), ("num_heads", 4))),
+    "vit_b32": Preset("vit_base_patch32_224", 224, 6),
+    "vit_b16": Preset("vit_base_patch16_224", 224, 6),
+    "vit_l14": Preset("vit_large_patch16_224", 224, 6, (("patch_size", 14),)),
+}
+
+
+def create_encoder(preset: str, image_size: int) -> nn.Module:
+    """A ViT returning normalised patch tokens (no class token, no head), randomly initialised."""
+    p = PRESETS[preset]
+    return timm.create_model(
+        p.timm_name, pretrained=False, num_classes=0, img_size=image_size,
+        class_token=False, global_pool="avg", fc_norm=False, **dict(p.encoder_overrides),
+    )
+
+
+def sinusoidal_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    half = dim // 2
+    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, device=t.device) / half)
+    angles = 1000.0 * t.float()[:, None] * freqs[None]  # t in [0,1]: stretch to a useful range
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        return x.view(b, n, self.heads, d // self.heads).transpose(1, 2)
+
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.kv(x).chunk(2, dim=-1)
+        return self.split(k), self.split(v)
+
+    def forward(self, x, k, v, mask=None):
+        q = self.split(self.q(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        b, h, n, dh = y.shape
+        return self.out(y.transpose(1, 2).reshape(b, n, h * dh))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm self-attention, cross-attention to V, MLP; optional adaLN modulation from t."""
+
+    def __init__(self, dim: int, heads: int, time_conditioning: bool):
+        super().__init__()
+        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(dim) for _ in range(3))
+        self.self_attn = Attention(dim, heads)
+        self.cross_attn = Attention(dim, heads)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.modulation = nn.Linear(dim, 6 * dim) if time_conditioning else None
+        if self.modulation is not None:  # start as the identity modulation
+            nn.init.zeros_(self.modulation.weight)
+            nn.init.zeros_(self.modulation.bias)
+
+    def forward(self, x, image_kv, self_mask, t_emb=None, cache=None):
+        mods = [0.0] * 6
+        if self.modulation is not None:
+            mods = [m[:, None] for m in self.modulation(t_emb).chunk(6, dim=-1)]
+        h = self.norm1(x) * (1 + mods[0]) + mods[1]
+        k, v = self.self_attn.keys_values(h)
+        if cache is not None:  # incremental decoding: extend the stored keys/values
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
+            cache["k"], cache["v"] = k, v
+        x = x + self.self_attn(h, k, v, self_mask)
+        x = x + self.cross_attn(self.norm2(x) * (1 + mods[2]) + mods[3], *image_kv)
+        return x + self.mlp(self.norm3(x) * (1 + mods[4]) + mods[5])
+
+
+class Captioner(nn.Module):
+    """Encoder f_φ and decoder g_ψ. Logits of [MASK] and pad are fixed at −∞ (never predicted)."""
+
+    def __init__(self, preset: str = "tiny", vocab_size: int = 49410, mask_id: int = 49408,
+                 pad_id: int = 49409, bos_id: int = 49406, eos_id: int = 49407, max_length: int = 32,
+                 image_size: int | None = None, decoder_layers: int | None = None,
+                 time_conditioning: bool = False, concentrated_attention: bool = False):
+        super().__init__()
+        p = PRESETS[preset]
+        self.image_size = image_size or p.image_size
+        self.encoder = create_encoder(preset, self.image_size)
+        dim = self.encoder.embed_dim
+        heads = dim // 64 if dim >= 256 else 4
+        self.mask_id, self.pad_id, self.bos_id, self.eos_id = mask_id, pad_id, bos_id, eos_id
+        self.concentrated_attention = concentrated_attention
+        self.token_embed = nn.Embedding(vocab_size, dim)
+        self.pos_embed = nn.Parameter(torch.zeros(1, max_length + 1, dim))  # +1: AR's BOS shift
+        nn.init.normal_(self.pos_embed, std=0.02)
+        nn.init.normal_(self.token_embed.weight, std=0.02)
+        self.time_mlp = (nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+                         if time_conditioning else None)
+        self.blocks = nn.ModuleList(DecoderBlock(dim, heads, time_conditioning)
+                                    for _ in range(decoder_layers or p.decoder_layers))
+        self.norm = nn.LayerNorm(dim)
+        never = torch.zeros(vocab_size)
+        never[[mask_id, pad_id]] = float("-inf")
+        self.register_buffer("logit_bias", never, persistent=False)
+
+    @property
+    def dim(self) -> int:
+        return self.token_embed.embedding_dim
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """Patch features V (B, P, D) after the encoder's final norm."""
+        return self.encoder.forward_features(images)
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        """Pooled features for probes: the mean of the normalised patch features."""
+        return self.encode(images).mean(dim=1)
+
+    def self_attention_mask(self, tokens: torch.Tensor, causal: torch.Tensor | bool) -> torch.Tensor:
+        """(B,1,L,L) boolean, True = may attend. Pad keys are hidden (and, with concentrated
+        attention, [MASK] keys); each position always sees itself so no row is empty."""
+        b, n = tokens.shape
+        keys = tokens != self.pad_id
+        if self.concentrated_attention:
+            keys = keys & (tokens != self.mask_id)
+        mask = keys[:, None, :].expand(b, n, n)
+        causal = torch.as_tensor(causal, device=tokens.device).expand(b)
+        lower = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
+        mask = torch.where(causal[:, None, None], mask & lower, mask)
+        return (mask | torch.eye(n, dtype=torch.bool, device=tokens.device))[:, None]
+
+    def image_keys_values(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [blk.cross_attn.keys_values(features) for blk in self.blocks]
+
+    def decode(self, tokens: torch.Tensor, features: torch.Tensor | list, t: torch.Tensor | None = None,
+               causal: torch.Tensor | bool = False, cache: list[dict] | None = None,
+               offset: int = 0) -> torch.Tensor:
+        """Logits (B, L, vocab) for `tokens` given image features (or their precomputed K/V).
+
+        With `cache` (one dict per block) only the new tokens are passed, starting at position
+        `offset`; attention over the cached prefix is implicit, so this path is causal by design.
+        """
+        image_kv = features if isinstance(features, list) else self.image_keys_values(features)
+        n = tokens.shape[1]
+        x = self.token_embed(tokens) + self.pos_embed[:, offset:offset + n]
+        t_emb = None
+        if self.time_mlp is not None:
+            if t is None:
+                raise ValueError("time_conditioning is on: decode() needs t")
+            t_emb = self.time_mlp(sinusoidal_embedding(t, self.dim))
+        mask = None if cache is not None else self.self_attention_mask(tokens, causal)
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, image_kv[i], mask, t_emb, None if cache is None else cache[i])
+        logits = F.linear(self.norm(x), self.token_embed.weight)  # tied output layer
+        return logits.float() + self.logit_bias
+
+    def forward(self, images, tokens, t=None, causal=False):
+        return self.decode(tokens, self.encode(images), t=t, causal=causal)
+
+
+def build_model(cfg, tokenizer) -> Captioner:
+    """A Captioner from a RunConfig's model/data sections and the tokenizer's special ids."""
+    return Captioner(
+        preset=cfg.model.preset, vocab_size=tokenizer.vocab_size, mask_id=tokenizer.mask_id,
+        pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+        max_length=cfg.data.max_length,
+        image_size=cfg.model.image_size, decoder_layers=cfg.model.decoder_layers,
+        time_conditioning=cfg.model.time_conditioning,
+        concentrated_attention=cfg.model.concentrated_attention,
+    )

@@ -1,0 +1,99 @@
+"""The objective family in one place (SPEC §3): MDC, its "no t" ablation CMLM, image-conditioned
+BERT, autoregressive captioning (Cap) and CapPa.
+
+`tokens` everywhere is a (B, L) tensor of caption tokens padded with `pad_id` on the right (no BOS/
+EOS: the autoregressive objectives add them). Pad positions are never masked, never predicted and
+never counted.
+
+MDC with the linear schedule α_t = 1 − t: a token is masked with probability t, and the MDLM weight
+α_t'/(1 − α_t) = −1/t turns the ELBO into  (1/t) · Σ_masked −log p_θ(c_0^i | C_t, V),
+normalised by the number of non-pad tokens in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sample_t(n: int, omega_l: float, omega_u: float, antithetic: bool = True,
+             generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """t ~ U[ω_l, ω_u]. Antithetic: one draw per stratum [i/n, (i+1)/n) of the interval, a
+    low-discrepancy batch that lowers the variance of the loss estimate (MDLM)."""
+    u = torch.rand(n, generator=generator, device=device)
+    if antithetic:
+        u = (torch.arange(n, device=device) + u) / n
+    return omega_l + (omega_u - omega_l) * u
+
+
+def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, mask_id: int, pad_id: int,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask each non-pad token independently with probability t (per row). A row left with no
+    masked token gets one, at a random non-pad position, so every caption contributes a loss."""
+    real = tokens != pad_id
+    u = torch.rand(tokens.shape, generator=generator, device=tokens.device)
+    masked = (u < t[:, None]) & real
+    empty = ~masked.any(dim=1) & real.any(dim=1)
+    if empty.any():
+        pick = torch.where(real, u, torch.inf).argmin(dim=1)  # a uniformly random real position
+        masked[empty, pick[empty]] = True
+    return torch.where(masked, mask_id, tokens), masked
+
+
+def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """−log p(target) at the positions `where` (a flat vector), computed only there."""
+    return F.cross_entropy(logits[where], targets[where], reduction="none")
+
+
+def masked_diffusion_loss(model, images, tokens, kind: str, omega_l=0.5, omega_u=1.0,
+                          antithetic=True, mask_ratio=0.15, generator=None):
+    """`mdc`: 1/t-weighted, normalised by non-pad tokens; `cmlm`: same masking, unweighted mean
+    over masked tokens; `bert`: a fixed ratio instead of a sampled t, mean over masked tokens."""
+    b = tokens.shape[0]
+    if kind == "bert":
+        t = torch.full((b,), float(mask_ratio), device=tokens.device)
+    else:
+        t = sample_t(b, omega_l, omega_u, antithetic, generator, tokens.device)
+    noisy, masked = mask_tokens(tokens, t, model.mask_id, model.pad_id, generator)
+    logits = model(images, noisy, t=t, causal=False)
+    nll = masked_cross_entropy(logits, tokens, masked)
+    if kind == "mdc":
+        weight = (1.0 / t)[:, None].expand_as(masked)[masked]
+        loss = (weight * nll).sum() / (tokens != model.pad_id).sum()
+    else:
+        loss = nll.mean()
+    return loss, {"masked_fraction": masked.sum() / (tokens != model.pad_id).sum(),
+                  "nll_masked": nll.mean().detach()}
+
+
+def autoregressive_io(tokens: torch.Tensor, bos_id: int, eos_id: int, pad_id: int):
+    """Teacher forcing: inputs [BOS, c_1..c_n, pad..] → targets [c_1..c_n, EOS, pad..]; (B, L+1)."""
+    b = tokens.shape[0]
+    pad_col = torch.full((b, 1), pad_id, dtype=tokens.dtype, device=tokens.device)
+    inputs = torch.cat([torch.full_like(pad_col, bos_id), tokens], dim=1)
+    targets = torch.cat([tokens, pad_col], dim=1)
+    lengths = (tokens != pad_id).sum(dim=1)
+    targets[torch.arange(b, device=tokens.device), lengths] = eos_id
+    return inputs, targets
+
+
+def autoregressive_loss(model, images, tokens, parallel_prob: float = 0.0, generator=None):
+    """Cap (parallel_prob = 0) and CapPa: per example, with probability `parallel_prob`, every
+    input token is [MASK] and attention is bidirectional (parallel prediction)."""
+    inputs, targets = autoregressive_io(tokens, model.bos_id, model.eos_id, model.pad_id)
+    parallel = torch.rand(tokens.shape[0], generator=generator, device=tokens.device) < parallel_prob
+    real = targets != model.pad_id
+    inputs = torch.where(parallel[:, None] & (inputs != model.pad_id), model.mask_id, inputs)
+    logits = model(images, inputs, causal=~parallel)
+    loss = masked_cross_entropy(logits, targets, real).mean()
+    return loss, {"parallel_fraction": parallel.float().mean()}
+
+
+def compute_loss(model, images, tokens, objective, generator=None):
+    """Dispatch on an ObjectiveConfig; returns (loss, metrics)."""
+    if objective.name in ("mdc", "cmlm", "bert"):
+        return masked_diffusion_loss(model, images, tokens, objective.name, objective.omega_l,
+                                     objective.omega_u, objective.antithetic, objective.mask_ratio,
+                                     generator)
+    parallel = objective.parallel_prob if objective.name == "cappa" else 0.0
+    return autoregressive_loss(model, images, tokens, parallel, generator)

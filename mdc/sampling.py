@@ -1,0 +1,101 @@
+"""Writing captions (SPEC §4).
+
+Masked diffusion: start from N' [MASK] tokens (or a partly given caption, for infilling); each
+step one forward pass predicts every masked position and some positions are committed:
+- `ancestral` (MDLM): going from t to s < t, each masked position is unmasked with probability
+  (t − s)/t, its token drawn from p_θ;
+- `confidence` (DDCap best-first): commit the k masked positions whose chosen token is most probable.
+Given tokens are never changed. Autoregressive models decode greedily with a KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _choose(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token per position (argmax at temperature 0, else sampled) and its probability."""
+    if temperature == 0.0:
+        probs = logits.softmax(-1)
+        conf, token = probs.max(-1)
+        return token, conf
+    probs = (logits / temperature).softmax(-1)
+    token = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(probs.shape[:2])
+    return token, probs.gather(-1, token[..., None])[..., 0]
+
+
+def initial_tokens(model, batch_size: int, length: int, device) -> torch.Tensor:
+    return torch.full((batch_size, length), model.mask_id, dtype=torch.long, device=device)
+
+
+@torch.no_grad()
+def sample_masked(model, images: torch.Tensor, length: int | None = None,
+                  tokens: torch.Tensor | None = None, strategy: str = "confidence",
+                  steps: int | None = None, tokens_per_step: int = 1, temperature: float = 0.0,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """Denoise [MASK] positions of `tokens` (B, L) — or of N' = `length` fresh [MASK]s.
+
+    `steps` defaults to ceil(masked / tokens_per_step): N' steps, one token each, as in the paper.
+    Returns (B, L) tokens with no [MASK] left; pad positions stay pad.
+    """
+    if tokens is None:
+        if length is None:
+            raise ValueError("give a caption length N' or tokens to infill")
+        tokens = initial_tokens(model, images.shape[0], length, images.device)
+    tokens = tokens.clone()
+    image_kv = model.image_keys_values(model.encode(images))
+    masked = tokens == model.mask_id
+    total = masked.sum(1)
+    if steps is None:
+        steps = max(1, math.ceil(int(total.max()) / tokens_per_step))
+    for step in range(steps):
+        if not masked.any():
+            break
+        t = masked.sum(1) / total.clamp(min=1)  # fraction still masked: the current noise level
+        logits = model.decode(tokens, image_kv, t=t)
+        proposal, conf = _choose(logits, temperature, generator)
+        if strategy == "ancestral":
+            t_now, t_next = 1.0 - step / steps, 1.0 - (step + 1) / steps
+            u = torch.rand(tokens.shape, generator=generator, device=tokens.device)
+            commit = masked & (u < (t_now - t_next) / t_now)
+        elif strategy == "confidence":
+            score = torch.where(masked, conf, -1.0)
+            rank = score.argsort(dim=1, descending=True).argsort(dim=1)
+            commit = masked & (rank < tokens_per_step)
+        else:
+            raise ValueError(f"unknown sampler strategy {strategy!r} (ancestral | confidence)")
+        tokens = torch.where(commit, proposal, tokens)
+        masked = masked & ~commit
+    if masked.any():  # fewer steps than needed: commit the rest at once
+        proposal, _ = _choose(model.decode(tokens, image_kv, t=torch.zeros(len(tokens), device=tokens.device)),
+                              temperature, generator)
+        tokens = torch.where(masked, proposal, tokens)
+    return tokens
+
+
+@torch.no_grad()
+def generate_autoregressive(model, images: torch.Tensor, max_tokens: int | None = None,
+                            use_cache: bool = True) -> torch.Tensor:
+    """Greedy decoding. Returns (B, max_tokens) caption tokens, padded after EOS (EOS dropped)."""
+    max_tokens = max_tokens or model.pos_embed.shape[1] - 1
+    b, device = images.shape[0], images.device
+    image_kv = model.image_keys_values(model.encode(images))
+    seq = torch.full((b, 1), model.bos_id, dtype=torch.long, device=device)
+    cache = [{} for _ in model.blocks] if use_cache else None
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    for i in range(max_tokens):
+        if use_cache:
+            logits = model.decode(seq[:, -1:], image_kv, cache=cache, offset=i)
+        else:
+            logits = model.decode(seq, image_kv, causal=True)
+        nxt = logits[:, -1].argmax(-1)
+        nxt = torch.where(done, model.pad_id, nxt)
+        done = done | (nxt == model.eos_id)
+        seq = torch.cat([seq, nxt[:, None]], dim=1)
+        if done.all():
+            break
+    out = seq[:, 1:]
+    out = torch.where(out == model.eos_id, model.pad_id, out)
+    return torch.nn.functional.pad(out, (0, max_tokens - out.shape[1]), value=model.pad_id)

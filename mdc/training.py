@@ -1,0 +1,68 @@
+"""Optimiser, learning-rate schedule, EMA and one training step — shared by every trainer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from mdc.objectives import compute_loss
+
+
+def build_optimizer(model: nn.Module, optim) -> torch.optim.AdamW:
+    """AdamW; biases, norms, embeddings' positions and other 1-D parameters are not decayed."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": optim.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2))
+
+
+def warmup_cosine(step: int, warmup: int, total: int) -> float:
+    """Multiplier of the base lr: linear warmup to 1, then cosine decay to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, total))
+
+
+class EMA:
+    """Exponential moving average of the parameters (kept in float32, same sharding as the model)."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay = decay
+        self.shadow = {n: p.detach().clone().float() for n, p in model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        for n, p in model.named_parameters():
+            self.shadow[n].lerp_(p.detach().float(), 1.0 - self.decay)
+
+    def state_dict(self) -> dict:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict) -> None:
+        for n, v in state.items():
+            self.shadow[n].copy_(v)
+
+
+def train_step(model, optimizer, scheduler, images, tokens, objective, grad_clip: float,
+               generator=None, ema: EMA | None = None) -> dict:
+    """Forward, backward, clip, step. Returns float metrics (loss, lr, grad_norm, ...)."""
+    loss, metrics = compute_loss(model, images, tokens, objective, generator)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    scheduler.step()
+    if ema is not None:
+        ema.update(model)
+    out = {"loss": loss.detach(), "grad_norm": grad_norm, **metrics}
+    out = {k: float(v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in out.items()}
+    out["lr"] = scheduler.get_last_lr()[0]
+    return out
