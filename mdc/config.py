@@ -52,6 +52,7 @@ class DataConfig(_Section):
     max_length: int = Field(32, ge=2, le=512)
     shuffle_buffer: int = Field(256, ge=0)
     tokenizer_actors: int = Field(1, ge=1)
+    ingest_cpus: float = Field(0.25, gt=0.0, description="logical CPUs per read/decode task")
 
 
 class OptimConfig(_Section):
@@ -75,6 +76,7 @@ class TrainConfig(_Section):
     num_workers: int = Field(2, ge=1)
     use_gpu: bool = False
     cpus_per_worker: float = Field(0.5, gt=0.0)
+    max_failures: int = Field(2, ge=-1, description="worker-group restarts from the last checkpoint")
 
 
 class RunConfig(_Section):

@@ -88,7 +88,10 @@ class DecoderBlock(nn.Module):
             nn.init.zeros_(self.modulation.weight)
             nn.init.zeros_(self.modulation.bias)
 
-    def forward(self, x, image_kv, self_mask, t_emb=None, cache=None):
+    def forward(self, x, image, self_mask, t_emb=None, cache=None):
+        """`image` is V (B, P, D) or this block's precomputed cross-attention (K, V).
+        K/V are computed here, inside the block, so an FSDP-sharded block has its weights."""
+        image_kv = self.cross_attn.keys_values(image) if torch.is_tensor(image) else image
         mods = [0.0] * 6
         if self.modulation is not None:
             mods = [m[:, None] for m in self.modulation(t_emb).chunk(6, dim=-1)]
@@ -161,13 +164,16 @@ class Captioner(nn.Module):
 
     def decode(self, tokens: torch.Tensor, features: torch.Tensor | list, t: torch.Tensor | None = None,
                causal: torch.Tensor | bool = False, cache: list[dict] | None = None,
-               offset: int = 0) -> torch.Tensor:
+               offset: int = 0, where: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, L, vocab) for `tokens` given image features (or their precomputed K/V).
+
+        With `where` (B, L) boolean, only the logits at those positions, flattened to (M, vocab):
+        the output layer is the decoder's largest matmul, so losses project only what they score.
 
         With `cache` (one dict per block) only the new tokens are passed, starting at position
         `offset`; attention over the cached prefix is implicit, so this path is causal by design.
         """
-        image_kv = features if isinstance(features, list) else self.image_keys_values(features)
+        per_block = features if isinstance(features, list) else [features] * len(self.blocks)
         n = tokens.shape[1]
         x = self.token_embed(tokens) + self.pos_embed[:, offset:offset + n]
         t_emb = None
@@ -177,12 +183,15 @@ class Captioner(nn.Module):
             t_emb = self.time_mlp(sinusoidal_embedding(t, self.dim))
         mask = None if cache is not None else self.self_attention_mask(tokens, causal)
         for i, blk in enumerate(self.blocks):
-            x = blk(x, image_kv[i], mask, t_emb, None if cache is None else cache[i])
-        logits = F.linear(self.norm(x), self.token_embed.weight)  # tied output layer
+            x = blk(x, per_block[i], mask, t_emb, None if cache is None else cache[i])
+        x = self.norm(x)
+        if where is not None:
+            x = x[where]
+        logits = F.linear(x, self.token_embed.weight)  # tied output layer
         return logits.float() + self.logit_bias
 
-    def forward(self, images, tokens, t=None, causal=False):
-        return self.decode(tokens, self.encode(images), t=t, causal=causal)
+    def forward(self, images, tokens, t=None, causal=False, where=None):
+        return self.decode(tokens, self.encode(images), t=t, causal=causal, where=where)
 
 
 def build_model(cfg, tokenizer) -> Captioner:

@@ -40,11 +40,6 @@ def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, mask_id: int, pad_id: int
     return torch.where(masked, mask_id, tokens), masked
 
 
-def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """−log p(target) at the positions `where` (a flat vector), computed only there."""
-    return F.cross_entropy(logits[where], targets[where], reduction="none")
-
-
 def masked_diffusion_loss(model, images, tokens, kind: str, omega_l=0.5, omega_u=1.0,
                           antithetic=True, mask_ratio=0.15, generator=None):
     """`mdc`: 1/t-weighted, normalised by non-pad tokens; `cmlm`: same masking, unweighted mean
@@ -55,8 +50,8 @@ def masked_diffusion_loss(model, images, tokens, kind: str, omega_l=0.5, omega_u
     else:
         t = sample_t(b, omega_l, omega_u, antithetic, generator, tokens.device)
     noisy, masked = mask_tokens(tokens, t, model.mask_id, model.pad_id, generator)
-    logits = model(images, noisy, t=t, causal=False)
-    nll = masked_cross_entropy(logits, tokens, masked)
+    logits = model(images, noisy, t=t, causal=False, where=masked)
+    nll = F.cross_entropy(logits, tokens[masked], reduction="none")
     if kind == "mdc":
         weight = (1.0 / t)[:, None].expand_as(masked)[masked]
         loss = (weight * nll).sum() / (tokens != model.pad_id).sum()
@@ -84,8 +79,8 @@ def autoregressive_loss(model, images, tokens, parallel_prob: float = 0.0, gener
     parallel = torch.rand(tokens.shape[0], generator=generator, device=tokens.device) < parallel_prob
     real = targets != model.pad_id
     inputs = torch.where(parallel[:, None] & (inputs != model.pad_id), model.mask_id, inputs)
-    logits = model(images, inputs, causal=~parallel)
-    loss = masked_cross_entropy(logits, targets, real).mean()
+    logits = model(images, inputs, causal=~parallel, where=real)
+    loss = F.cross_entropy(logits, targets[real])
     return loss, {"parallel_fraction": parallel.float().mean()}
 
 

@@ -1,0 +1,24 @@
+# `make demo`: set up and run the main job on the embedded defaults.
+# `make test`: set up and run the test suite (what CI runs).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/mdc demo
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m benchmarks.ingest
+	$(PY) -m benchmarks.train_throughput

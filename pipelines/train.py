@@ -1,0 +1,246 @@
+"""The main job: Ray Train (FSDP2) over a Ray Data stream of image–caption shards.
+
+`run_training` is the driver: it checks storage, builds the datasets, opens the MLflow run and
+launches a `TorchTrainer`. `train_loop` runs on every worker: build and shard the model, restore the
+latest checkpoint if there is one (a restarted worker group or a relaunched run with the same name),
+train, and report metrics and DCP checkpoints through `ray.train.report`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from mdc import checkpoint as ckpt
+from mdc import storage
+from mdc.config import RunConfig, dump_config
+from mdc.model import PRESETS, build_model
+from mdc.objectives import compute_loss
+from mdc.parallel import apply_fsdp
+from mdc.tokenizer import CaptionTokenizer
+from mdc.training import EMA, build_optimizer, build_scheduler, train_step
+from pipelines import tracking
+from pipelines.ingest import SkipCounter, build_dataset
+
+
+@dataclass
+class Fault:
+    """Stop one worker at the start of `step`, once (`marker` records that it fired): with
+    `kill` its process dies as if the node were lost, otherwise the training function raises.
+    Used to test recovery from a dead worker and resumption of a relaunched run."""
+
+    step: int
+    rank: int
+    marker: str
+    kill: bool = True
+
+    def maybe_fire(self, step: int, rank: int) -> None:
+        if step == self.step and rank == self.rank and not os.path.exists(self.marker):
+            Path(self.marker).write_text(str(step))
+            if self.kill:
+                os._exit(1)
+            raise RuntimeError(f"injected fault at step {step} on rank {rank}")
+
+
+@dataclass
+class TrainSummary:
+    run_name: str
+    mlflow_run_id: str
+    checkpoint_uri: str
+    metrics: dict
+    skipped: dict = field(default_factory=dict)
+
+
+def image_size(cfg: RunConfig) -> int:
+    return cfg.model.image_size or PRESETS[cfg.model.preset].image_size
+
+
+def _step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
+    """Noise (t, masks) depends only on (seed, rank, step): a resumed run draws what it would have."""
+    return torch.Generator(device).manual_seed(seed * 1_000_003 + rank * 10_007 + step)
+
+
+@torch.no_grad()
+def validation_loss(model, val_batches, objective, seed: int, device) -> float:
+    """Mean loss on the held-out batches with fixed noise, so values are comparable over time."""
+    model.eval()
+    total, count = 0.0, 0
+    for i, batch in enumerate(val_batches):
+        gen = _step_generator(seed, 0, -1 - i, device)
+        loss, _ = compute_loss(model, batch["image"].to(device), batch["tokens"].to(device), objective, gen)
+        total, count = total + float(loss), count + 1
+    model.train()
+    return total / max(count, 1)
+
+
+def param_norm(model) -> float:
+    """L2 norm of all parameters, summed over the FSDP shards (collective)."""
+    local = sum(p.to_local().float().pow(2).sum() for p in model.parameters())
+    dist.all_reduce(local)
+    return float(local.sqrt())
+
+
+def train_loop(loop_config: dict) -> None:
+    cfg = RunConfig.model_validate(loop_config["cfg"])
+    fault = Fault(**loop_config["fault"]) if loop_config.get("fault") else None
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    tc = cfg.train
+
+    torch.manual_seed(tc.seed)  # identical initial weights on every rank before sharding
+    model = build_model(cfg, CaptionTokenizer).to(device)
+    apply_fsdp(model, bf16=tc.use_gpu)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim.warmup_steps, tc.steps)
+    ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
+
+    step, epoch = 0, 0
+    restored = ray.train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as directory:
+            state = ckpt.load_training_state(directory, model, optimizer, scheduler, ema)
+        step, epoch = state["step"], state["epoch"] + 1  # a resumed run starts a fresh epoch
+
+    restored_norm = param_norm(model) if restored is not None else None
+    logger = None
+    if rank == 0:
+        logger = tracking.MetricLogger(loop_config["mlflow_uri"], loop_config["mlflow_run_id"])
+        if restored is not None:
+            logger.log({"resumed_from_step": step, "resumed_param_norm": restored_norm}, step)
+            print(f"[mdc] resumed from step {step}", flush=True)
+
+    val_batches = []
+    if cfg.data.val_uri:
+        val = ray.train.get_dataset_shard("val")
+        val_batches = list(val.iter_torch_batches(batch_size=tc.batch_size, drop_last=False))
+    train_data = ray.train.get_dataset_shard("train")
+    tic, images_seen, tokens_seen = time.perf_counter(), 0, 0
+    metrics = {}
+    while step < tc.steps:
+        batches_this_epoch = 0
+        for batch in train_data.iter_torch_batches(
+                batch_size=tc.batch_size, drop_last=True,
+                local_shuffle_buffer_size=cfg.data.shuffle_buffer or None,
+                local_shuffle_seed=tc.seed + epoch):
+            batches_this_epoch += 1
+            if fault is not None:
+                fault.maybe_fire(step + 1, rank)
+            step += 1
+            images, tokens = batch["image"].to(device), batch["tokens"].to(device)
+            metrics = train_step(model, optimizer, scheduler, images, tokens, cfg.objective,
+                                 cfg.optim.grad_clip, _step_generator(tc.seed, rank, step, device), ema)
+            images_seen += images.shape[0] * world
+            tokens_seen += int((tokens != CaptionTokenizer.pad_id).sum()) * world
+            metrics["epoch"] = epoch
+            if val_batches and (step % tc.val_every == 0 or step == tc.steps):
+                metrics["val_loss"] = validation_loss(model, val_batches, cfg.objective, tc.seed, device)
+            if logger is not None:
+                logger.log(metrics, step)
+            if step % tc.log_every == 0 or step == tc.steps:
+                elapsed = time.perf_counter() - tic
+                metrics.update(images_per_s=images_seen / elapsed, tokens_per_s=tokens_seen / elapsed)
+                tic, images_seen, tokens_seen = time.perf_counter(), 0, 0
+                if logger is not None:
+                    logger.log({k: metrics[k] for k in ("images_per_s", "tokens_per_s")}, step)
+                    logger.flush()
+                    print(f"[mdc] step {step}/{tc.steps} loss {metrics['loss']:.4f} "
+                          f"lr {metrics['lr']:.2e} {metrics['images_per_s']:.1f} img/s", flush=True)
+            if step % tc.checkpoint_every == 0 or step == tc.steps:
+                if logger is not None:
+                    logger.flush()  # every step up to a checkpoint is in MLflow before it exists
+                _report_checkpoint(cfg, model, optimizer, scheduler, ema, step, epoch, rank, metrics)
+            elif step % tc.log_every == 0:
+                ray.train.report({**metrics, "step": step})
+            if step >= tc.steps:
+                break
+        if batches_this_epoch == 0:
+            raise RuntimeError(f"no full batch of {tc.batch_size} in {cfg.data.train_uri} for rank {rank}: "
+                               "the dataset is smaller than num_workers × batch_size")
+        epoch += 1
+    if logger is not None:
+        logger.flush()
+
+
+def _report_checkpoint(cfg, model, optimizer, scheduler, ema, step, epoch, rank, metrics) -> None:
+    """DCP shard per rank into a temporary directory; Ray Train merges and uploads them. The last
+    checkpoint also carries the exported full weights for evaluation."""
+    final = step == cfg.train.steps
+    weights = ckpt.full_weights(model, ema) if final else None  # collective: every rank calls
+    with tempfile.TemporaryDirectory() as directory:
+        ckpt.save_training_state(directory, model, optimizer, scheduler, ema,
+                                 {"step": step, "epoch": epoch}, rank)
+        if final and rank == 0:
+            ckpt.export_weights(directory, weights, dump_config(cfg))
+        ray.train.report({**metrics, "step": step}, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                         checkpoint_dir_name=f"checkpoint_{step:08d}")
+
+
+def storage_for(uri: str, endpoint_url: str | None):
+    """(storage_path, filesystem) for Ray's RunConfig: an absolute local path, or bucket/prefix."""
+    if uri.startswith("s3://"):
+        fs, path = storage.open_fs(uri, endpoint_url)
+        return path, fs
+    return str(Path(uri).resolve()), None
+
+
+def run_training(cfg: RunConfig, fault: Fault | None = None) -> TrainSummary:
+    """Driver: fails fast on unreachable storage, then trains and returns where everything went."""
+    data = cfg.data
+    for uri in filter(None, [data.train_uri, data.val_uri]):
+        storage.check_reachable(uri, data.endpoint_url)
+    if cfg.storage_uri.startswith("s3://"):
+        storage.check_reachable(cfg.storage_uri, data.endpoint_url, must_exist=False)
+    mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
+    run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump())
+
+    counter = SkipCounter.remote()
+    size = image_size(cfg)
+    datasets = {"train": build_dataset(data.train_uri, size, data.max_length, counter, data.endpoint_url,
+                                       data.tokenizer_actors, cpus=data.ingest_cpus)}
+    if data.val_uri:
+        n_val = cfg.train.val_batches * cfg.train.batch_size
+        datasets["val"] = build_dataset(data.val_uri, size, data.max_length, counter, data.endpoint_url,
+                                        data.tokenizer_actors, shuffle_files=False,
+                                        cpus=data.ingest_cpus).limit(n_val).materialize()
+
+    storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"cfg": cfg.model_dump(), "mlflow_uri": mlflow_uri, "mlflow_run_id": run_id,
+                           "fault": fault.__dict__ if fault else None},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
+            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if cfg.train.use_gpu else {})}),
+        run_config=ray.train.RunConfig(
+            name=cfg.name, storage_path=storage_path, storage_filesystem=filesystem,
+            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=3)),
+        datasets=datasets,
+        dataset_config=ray.train.DataConfig(datasets_to_split=["train"]),
+        torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
+    )
+    try:
+        result = trainer.fit()
+    except Exception:
+        tracking.finish_run(mlflow_uri, run_id, "FAILED")
+        raise
+    skipped = ray.get(counter.get.remote())
+    logger = tracking.MetricLogger(mlflow_uri, run_id)
+    logger.log({f"skipped/{reason}": n for reason, n in skipped.items()} | {"skipped/total": sum(skipped.values())},
+               cfg.train.steps)
+    logger.flush()
+    tracking.finish_run(mlflow_uri, run_id)
+    checkpoint_uri = result.checkpoint.path
+    if cfg.storage_uri.startswith("s3://"):
+        checkpoint_uri = "s3://" + checkpoint_uri
+    return TrainSummary(cfg.name, run_id, checkpoint_uri, dict(result.metrics or {}), skipped)

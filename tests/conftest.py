@@ -1,0 +1,69 @@
+"""Shared fixtures: a real S3 API (moto server, in-process) with dummy credentials."""
+
+import logging
+from dataclasses import dataclass
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+
+DUMMY_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+}
+
+
+@dataclass
+class S3Server:
+    endpoint_url: str
+
+    def make_bucket(self, name: str) -> str:
+        """Create a bucket (names need >= 3 characters) and return its s3:// URI."""
+        boto3.client("s3", endpoint_url=self.endpoint_url, region_name="us-east-1").create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3-compatible endpoint for the whole test session; AWS_* are dummies while it runs, and no
+    real credentials or endpoint variables leak in."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in DUMMY_AWS_ENV.items():
+            mp.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+            mp.delenv(name, raising=False)
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        try:
+            yield S3Server(f"http://{host}:{port}")
+        finally:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_server):
+    """One local Ray instance (2 logical CPUs) for the session, started after the S3 credentials
+    are in the environment so that its workers inherit them."""
+    import ray
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        mp.delenv("RAY_ADDRESS", raising=False)
+        ray.init(num_cpus=2, object_store_memory=512 * 1024**2, include_dashboard=True)
+        yield
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shapes_dir(tmp_path_factory):
+    """A small shapes dataset on local disk (train/, val/, compositionality/)."""
+    from mdc.datasets.shapes import write_shapes_dataset
+
+    root = tmp_path_factory.mktemp("shapes")
+    write_shapes_dataset(str(root), num=240, seed=0, samples_per_shard=60)
+    return root

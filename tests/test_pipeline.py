@@ -1,0 +1,154 @@
+"""The main job on a real local Ray (2 CPUs) against a real S3 server: FSDP training from a bucket,
+checkpoints in the bucket, bad records counted, resume after a stop, recovery from a killed worker."""
+
+import io
+import math
+import tarfile
+import time
+
+import boto3
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from mdc import shards, storage
+from mdc.config import load_config
+from mdc.datasets.shapes import write_shapes_dataset
+from pipelines.train import Fault, run_training
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
+
+
+def tiny_config(tmp_path, name, train_uri, val_uri=None, endpoint=None, storage_uri=None, **train):
+    overrides = [f"name={name}", f"storage_uri={storage_uri or tmp_path / 'ckpt'}",
+                 f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"data.train_uri={train_uri}",
+                 f"data.val_uri={val_uri}" if val_uri else "data.val_uri=null", "data.max_length=16",
+                 "train.batch_size=8", "train.num_workers=2", "optim.warmup_steps=5"]
+    if endpoint:
+        overrides.append(f"data.endpoint_url={endpoint}")
+    overrides += [f"train.{k}={v}" for k, v in train.items()]
+    return load_config(None, overrides)
+
+
+def metric_steps(cfg, run_id, key="loss"):
+    history = MlflowClient(cfg.mlflow_uri).get_metric_history(run_id, key)
+    return [(m.step, m.value) for m in sorted(history, key=lambda m: (m.timestamp, m.step))]
+
+
+def corrupt_shards(s3_server, bucket_uri) -> None:
+    """One truncated tar, one shard with a corrupt JPEG and an empty caption."""
+    good = [shards.Sample(f"bad{i:03d}", shards_png(i), "a small red circle", None) for i in range(4)]
+    bad = good + [shards.Sample("corrupt", b"\xff\xd8\xff\xe0 not a jpeg", "a caption", None)]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for s in bad:
+            for name, data in ((f"{s.key}.jpg", s.image), (f"{s.key}.txt", s.caption.encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        info = tarfile.TarInfo("empty.jpg")
+        info.size = len(good[0].image)
+        tar.addfile(info, io.BytesIO(good[0].image))
+        info = tarfile.TarInfo("empty.txt")
+        info.size = 0
+        tar.addfile(info, io.BytesIO(b""))
+    data = buf.getvalue()
+    s3 = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1")
+    bucket = bucket_uri.removeprefix("s3://")
+    s3.put_object(Bucket=bucket, Key="shapes/train/shard-bad.tar", Body=data)
+    s3.put_object(Bucket=bucket, Key="shapes/train/shard-truncated.tar", Body=data[: len(data) // 2 + 100])
+
+
+def shards_png(i: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (40 * i % 255, 0, 0)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_fsdp_training_from_bucket_counts_bad_records(ray_cluster, s3_server, tmp_path):
+    bucket = s3_server.make_bucket("train-from-s3")
+    write_shapes_dataset(f"{bucket}/shapes", num=300, seed=0, endpoint_url=s3_server.endpoint_url,
+                         samples_per_shard=50)
+    corrupt_shards(s3_server, bucket)
+    cfg = tiny_config(tmp_path, "s3-run", f"{bucket}/shapes/train", f"{bucket}/shapes/val",
+                      s3_server.endpoint_url, storage_uri=f"{bucket}/checkpoints",
+                      steps=60, checkpoint_every=30, log_every=10, val_every=30)
+    summary = run_training(cfg)
+
+    losses = [v for _, v in metric_steps(cfg, summary.mlflow_run_id)]
+    assert len(losses) == 60
+    assert sum(losses[-10:]) / 10 < 0.6 * sum(losses[:5]) / 5
+    assert summary.skipped[shards.UNDECODABLE_IMAGE] >= 1
+    assert summary.skipped[shards.EMPTY_CAPTION] >= 1
+    assert summary.skipped[shards.TRUNCATED_TAR] == 1
+    logged = MlflowClient(cfg.mlflow_uri).get_run(summary.mlflow_run_id).data.metrics
+    assert logged["skipped/truncated_tar"] == 1
+    keys = storage.list_files(f"{bucket}/checkpoints/s3-run", (".distcp", ".safetensors"), s3_server.endpoint_url)
+    assert any("checkpoint_00000030" in k for k in keys)
+    assert any(k.endswith("checkpoint_00000060/model.safetensors") for k in keys)
+
+
+def _param_norm(state: dict) -> float:
+    return math.sqrt(sum(float(v.float().pow(2).sum()) for v in state.values()))
+
+
+def test_relaunch_resumes_after_last_checkpoint(ray_cluster, shapes_dir, tmp_path):
+    cfg = tiny_config(tmp_path, "resume", shapes_dir / "train", steps=8, checkpoint_every=4, log_every=2,
+                      max_failures=0)
+    with pytest.raises(Exception):
+        run_training(cfg, fault=Fault(step=5, rank=0, marker=str(tmp_path / "fired"), kill=False))
+    summary = run_training(cfg)
+
+    steps = [s for s, _ in metric_steps(cfg, summary.mlflow_run_id)]
+    assert steps == list(range(1, 9))
+    resumed = metric_steps(cfg, summary.mlflow_run_id, "resumed_from_step")
+    assert [v for _, v in resumed] == [4]
+    dcp_to_torch_save(tmp_path / "ckpt" / "resume" / "checkpoint_00000004", tmp_path / "k4.pt")
+    expected = _param_norm(torch.load(tmp_path / "k4.pt", weights_only=True)["model"])
+    [(_, restored)] = metric_steps(cfg, summary.mlflow_run_id, "resumed_param_norm")
+    assert restored == pytest.approx(expected, rel=1e-5)
+
+
+def test_killed_worker_is_recovered(ray_cluster, shapes_dir, tmp_path):
+    cfg = tiny_config(tmp_path, "fault", shapes_dir / "train", steps=8, checkpoint_every=3, log_every=2,
+                      max_failures=1)
+    start = time.monotonic()
+    summary = run_training(cfg, fault=Fault(step=5, rank=1, marker=str(tmp_path / "fired")))
+    assert (tmp_path / "fired").exists()
+    assert summary.metrics["step"] == 8
+    steps = [s for s, _ in metric_steps(cfg, summary.mlflow_run_id)]
+    assert set(steps) == set(range(1, 9))
+    assert [v for _, v in metric_steps(cfg, summary.mlflow_run_id, "resumed_from_step")] == [3]
+    assert time.monotonic() - start < 300
+
+
+def test_unreachable_storage_fails_fast(ray_cluster, s3_server, tmp_path):
+    closed = "http://127.0.0.1:9"  # discard port: nothing listens
+    for cfg in (tiny_config(tmp_path, "x", "s3://some-bucket/train", endpoint=closed),
+                tiny_config(tmp_path, "y", "s3://no-such-bucket/train", endpoint=s3_server.endpoint_url)):
+        start = time.monotonic()
+        with pytest.raises(storage.StorageError, match=cfg.data.train_uri):
+            run_training(cfg)
+        assert time.monotonic() - start < 15
+
+
+def test_ingest_streams_parquet_and_tar_alike(ray_cluster, tmp_path):
+    import ray
+
+    from pipelines.ingest import SkipCounter, build_dataset
+
+    for fmt in ("parquet", "webdataset"):
+        write_shapes_dataset(str(tmp_path / fmt), num=120, seed=1, format=fmt, samples_per_shard=40)
+    counts = {}
+    for fmt in ("parquet", "webdataset"):
+        counter = SkipCounter.remote()
+        ds = build_dataset(str(tmp_path / fmt / "train"), 32, 16, counter, shuffle_files=False)
+        batches = list(ds.iter_batches(batch_size=50, batch_format="numpy"))
+        counts[fmt] = sum(len(b["tokens"]) for b in batches)
+        assert batches[0]["image"].shape[1:] == (3, 32, 32)
+        assert batches[0]["tokens"].shape[1] == 16
+        assert ray.get(counter.get.remote()) == {}
+    assert counts["parquet"] == counts["webdataset"] == shards.read_manifest(str(tmp_path / "parquet"))["splits"]["train"]["num_samples"]
