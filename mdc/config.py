@@ -53,6 +53,9 @@ class DataConfig(_Section):
     shuffle_buffer: int = Field(256, ge=0)
     tokenizer_actors: int = Field(1, ge=1)
     ingest_cpus: float = Field(0.25, gt=0.0, description="logical CPUs per read/decode task")
+    subset_fraction: float | None = Field(None, gt=0.0, le=1.0,
+                                          description="keep keys whose hash is below this: nested subsets")
+    subset_salt: str = "subset"
 
 
 class OptimConfig(_Section):

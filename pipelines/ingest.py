@@ -50,15 +50,28 @@ def _rows(samples) -> dict:
             "txt": np.array([s.caption for s in samples], dtype=object)}
 
 
+class Subset:
+    """Nested deterministic subsets: a key is kept when its hash is below `fraction`, so the
+    5M-pair subset lies inside the 10M one whatever the shard layout."""
+
+    def __init__(self, fraction: float | None, salt: str):
+        self.fraction, self.salt = fraction, salt
+
+    def __call__(self, samples):
+        if self.fraction is None:
+            return list(samples)
+        return [s for s in samples if shards.key_fraction(s.key, self.salt) < self.fraction]
+
+
 class ParseTar:
     """One whole tar file (as bytes) → its samples; damaged files yield what precedes the damage."""
 
-    def __init__(self, counter):
-        self.counter = counter
+    def __init__(self, counter, subset: Subset):
+        self.counter, self.subset = counter, subset
 
     def __call__(self, row: dict) -> list[dict]:
         skips = Counter()
-        samples = list(shards.iter_tar_bytes(row["bytes"], row["path"], skips))
+        samples = self.subset(shards.iter_tar_bytes(row["bytes"], row["path"], skips))
         _report(self.counter, skips, row["path"])
         return [{"key": s.key, "jpg": s.image, "txt": s.caption} for s in samples]
 
@@ -66,13 +79,13 @@ class ParseTar:
 class ParseParquet:
     """Parquet rows → the same (key, jpg, txt) rows as tars, with the same caption checks."""
 
-    def __init__(self, counter):
-        self.counter = counter
+    def __init__(self, counter, subset: Subset):
+        self.counter, self.subset = counter, subset
 
     def __call__(self, table) -> dict:
         skips = Counter()
         source = table["path"][0].as_py() if table.num_rows else "parquet"
-        batch = _rows(shards.iter_parquet_table(table.drop_columns(["path"]), source, skips))
+        batch = _rows(self.subset(shards.iter_parquet_table(table.drop_columns(["path"]), source, skips)))
         _report(self.counter, skips, f"{source}@{table['key'][0].as_py() if 'key' in table.column_names else ''}")
         return batch
 
@@ -97,7 +110,8 @@ class DecodeAndTokenize:
 
 def build_dataset(uri: str, image_size: int, max_length: int, counter=None,
                   endpoint_url: str | None = None, tokenizer_actors: int = 1,
-                  shuffle_files: bool = True, cpus: float = 0.25) -> ray.data.Dataset:
+                  shuffle_files: bool = True, cpus: float = 0.25, subset_fraction: float | None = None,
+                  subset_salt: str = "subset") -> ray.data.Dataset:
     """A streaming dataset of {"image": (3,S,S) float32, "tokens": (L,) int64} from shards at `uri`.
 
     `cpus` is the logical CPU share of each read/parse/decode task or actor: small values keep a
@@ -111,15 +125,16 @@ def build_dataset(uri: str, image_size: int, max_length: int, counter=None,
     tars = [p for p in paths if p.endswith(".tar")]
     parquets = [p for p in paths if p.endswith(".parquet")]
     shuffle = "files" if shuffle_files else None
+    subset = Subset(subset_fraction, subset_salt)
     parts = []
     if tars:
         parts.append(ray.data.read_binary_files(tars, filesystem=fs, include_paths=True, shuffle=shuffle,
                                                num_cpus=cpus)
-                     .flat_map(ParseTar(counter), num_cpus=cpus))
+                     .flat_map(ParseTar(counter, subset), num_cpus=cpus))
     if parquets:
         parts.append(ray.data.read_parquet(parquets, filesystem=fs, include_paths=True, shuffle=shuffle,
                                           num_cpus=cpus)
-                     .map_batches(ParseParquet(counter), batch_format="pyarrow", num_cpus=cpus))
+                     .map_batches(ParseParquet(counter, subset), batch_format="pyarrow", num_cpus=cpus))
     ds = parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
     return ds.map_batches(
         DecodeAndTokenize, fn_constructor_args=(image_size, max_length, counter),

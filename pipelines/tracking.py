@@ -34,12 +34,21 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def artifact_location(tracking_uri: str) -> str | None:
+    """Artifacts of a SQLite store live beside the database, not in ./mlruns of whoever ran first."""
+    prefix = "sqlite:///"
+    if tracking_uri.startswith(prefix):
+        return (Path(tracking_uri[len(prefix):]).parent / "mlartifacts").as_uri()
+    return None
+
+
 def get_or_create_run(tracking_uri: str, experiment: str, run_name: str, params: dict,
                       parent_run_id: str | None = None) -> str:
     """The id of the MLflow run tagged with `run_name` in `experiment`, created if absent."""
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(
+        experiment, artifact_location=artifact_location(tracking_uri))
     found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'",
                                max_results=1)
     if found:

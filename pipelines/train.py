@@ -22,7 +22,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from mdc import checkpoint as ckpt
 from mdc import storage
-from mdc.config import RunConfig, dump_config
+from mdc.config import ObjectiveConfig, RunConfig, dump_config
 from mdc.model import PRESETS, build_model
 from mdc.objectives import compute_loss
 from mdc.parallel import apply_fsdp
@@ -69,14 +69,23 @@ def _step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
     return torch.Generator(device).manual_seed(seed * 1_000_003 + rank * 10_007 + step)
 
 
+def validation_objective(objective: ObjectiveConfig) -> ObjectiveConfig:
+    """One yardstick across a sweep: the masked-diffusion ELBO over t ∈ [1e-3, 1] for every
+    masking objective (whatever its training schedule or ratio), exact NLL for AR ones."""
+    if objective.name in ("ar", "cappa"):
+        return ObjectiveConfig(name="ar")
+    return ObjectiveConfig(name="mdc", omega_l=1e-3, omega_u=1.0, antithetic=True)
+
+
 @torch.no_grad()
-def validation_loss(model, val_batches, objective, seed: int, device) -> float:
-    """Mean loss on the held-out batches with fixed noise, so values are comparable over time."""
+def validation_loss(model, val_batches, objective: ObjectiveConfig, seed: int, device) -> float:
+    """Mean validation loss on the held-out batches with fixed noise: comparable over time."""
     model.eval()
     total, count = 0.0, 0
     for i, batch in enumerate(val_batches):
         gen = _step_generator(seed, 0, -1 - i, device)
-        loss, _ = compute_loss(model, batch["image"].to(device), batch["tokens"].to(device), objective, gen)
+        loss, _ = compute_loss(model, batch["image"].to(device), batch["tokens"].to(device),
+                               validation_objective(objective), gen)
         total, count = total + float(loss), count + 1
     model.train()
     return total / max(count, 1)
@@ -125,7 +134,7 @@ def train_loop(loop_config: dict) -> None:
         val_batches = list(val.iter_torch_batches(batch_size=tc.batch_size, drop_last=False))
     train_data = ray.train.get_dataset_shard("train")
     tic, images_seen, tokens_seen = time.perf_counter(), 0, 0
-    metrics = {}
+    last_val = None
     while step < tc.steps:
         batches_this_epoch = 0
         for batch in train_data.iter_torch_batches(
@@ -143,7 +152,9 @@ def train_loop(loop_config: dict) -> None:
             tokens_seen += int((tokens != CaptionTokenizer.pad_id).sum()) * world
             metrics["epoch"] = epoch
             if val_batches and (step % tc.val_every == 0 or step == tc.steps):
-                metrics["val_loss"] = validation_loss(model, val_batches, cfg.objective, tc.seed, device)
+                last_val = validation_loss(model, val_batches, cfg.objective, tc.seed, device)
+            if last_val is not None:  # every report carries the latest, for early stopping
+                metrics["val_loss"] = last_val
             if logger is not None:
                 logger.log(metrics, step)
             if step % tc.log_every == 0 or step == tc.steps:
@@ -193,20 +204,24 @@ def storage_for(uri: str, endpoint_url: str | None):
     return str(Path(uri).resolve()), None
 
 
-def run_training(cfg: RunConfig, fault: Fault | None = None) -> TrainSummary:
-    """Driver: fails fast on unreachable storage, then trains and returns where everything went."""
+def run_training(cfg: RunConfig, fault: Fault | None = None, parent_run_id: str | None = None,
+                 callbacks: list | None = None) -> TrainSummary:
+    """Driver: fails fast on unreachable storage, then trains and returns where everything went.
+    `parent_run_id` nests the MLflow run under a sweep; `callbacks` go to Ray Train (e.g. Tune's)."""
     data = cfg.data
     for uri in filter(None, [data.train_uri, data.val_uri]):
         storage.check_reachable(uri, data.endpoint_url)
     if cfg.storage_uri.startswith("s3://"):
         storage.check_reachable(cfg.storage_uri, data.endpoint_url, must_exist=False)
     mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
-    run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump())
+    run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id)
 
+    ray.data.DataContext.get_current().enable_operator_progress_bars = False  # one bar per dataset
     counter = SkipCounter.remote()
     size = image_size(cfg)
     datasets = {"train": build_dataset(data.train_uri, size, data.max_length, counter, data.endpoint_url,
-                                       data.tokenizer_actors, cpus=data.ingest_cpus)}
+                                       data.tokenizer_actors, cpus=data.ingest_cpus,
+                                       subset_fraction=data.subset_fraction, subset_salt=data.subset_salt)}
     if data.val_uri:
         n_val = cfg.train.val_batches * cfg.train.batch_size
         datasets["val"] = build_dataset(data.val_uri, size, data.max_length, counter, data.endpoint_url,
@@ -224,7 +239,7 @@ def run_training(cfg: RunConfig, fault: Fault | None = None) -> TrainSummary:
         run_config=ray.train.RunConfig(
             name=cfg.name, storage_path=storage_path, storage_filesystem=filesystem,
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=3)),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=3), callbacks=callbacks),
         datasets=datasets,
         dataset_config=ray.train.DataConfig(datasets_to_split=["train"]),
         torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),

@@ -1,0 +1,168 @@
+"""Sweeps: Ray Tune over a search space, each trial a Ray Train run, every trial in MLflow.
+
+Train V2 pattern: a Tune trial is a driver function that builds its own `TorchTrainer` (through
+`run_training`); `TuneReportCallback` forwards the workers' reports, so ASHA sees the validation
+loss while the trial trains. When training ends the trial probes its encoder on the held-out split;
+trials are ranked by that probe. MLflow: one parent run per sweep, one child per trial, and on the
+parent a results table and a plot. Relaunching the same sweep resumes it (`Tuner.restore`).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import posixpath
+import random
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from mlflow.tracking import MlflowClient
+from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+from mdc.checkpoint import load_pretrained
+from mdc.config import RunConfig, apply_overrides, build_config
+from mdc.evaluation.probe import probe_shapes
+from pipelines import tracking
+from pipelines.search_space import SearchSpace, _copy, to_override_list
+from pipelines.train import run_training, storage_for
+
+
+@dataclass
+class SweepSummary:
+    parent_run_id: str
+    rows: list[dict]
+    best: dict | None
+    artifacts: list[str]
+
+
+def dataset_root(train_uri: str) -> str:
+    """The folder holding train/ and val/ (what `mdc data` writes)."""
+    return posixpath.dirname(train_uri.rstrip("/"))
+
+
+def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str) -> None:
+    point = config["point"]
+    cfg = build_config(apply_overrides(_copy(base), to_override_list(point)))
+    cfg.name = f"{sweep}-{tune.get_context().get_trial_id()}"
+    summary = run_training(cfg, parent_run_id=parent_run_id, callbacks=[TuneReportCallback()])
+    model, _ = load_pretrained(summary.checkpoint_uri, endpoint_url=cfg.data.endpoint_url)
+    probe = probe_shapes(model, dataset_root(cfg.data.train_uri), cfg.data.endpoint_url)
+    final = {"probe_accuracy": probe["accuracy"], "val_loss": summary.metrics.get("val_loss"),
+             "loss": summary.metrics.get("loss")}
+    logger = tracking.MetricLogger(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id)
+    logger.log({k: v for k, v in final.items() if v is not None}, cfg.train.steps)
+    logger.flush()
+    MlflowClient(tracking.absolute_tracking_uri(cfg.mlflow_uri)).set_tag(
+        summary.mlflow_run_id, "checkpoint", summary.checkpoint_uri)
+    tune.report({**{k: v for k, v in final.items() if v is not None}, "trial_completed": True})
+
+
+def build_tuner(space: SearchSpace, base_cfg: RunConfig, parent_run_id: str, num_samples: int | None,
+                max_concurrent: int) -> tune.Tuner:
+    base = base_cfg.model_dump()
+    sweep = f"{base_cfg.name}-{space.name}"
+    trainable = tune.with_resources(  # the trial function only drives its trainer: a sliver of CPU
+        tune.with_parameters(run_trial, base=base, parent_run_id=parent_run_id, sweep=sweep), {"CPU": 0.05})
+    path, filesystem = storage_for(posixpath.join(base_cfg.storage_uri, "sweeps"), base_cfg.data.endpoint_url)
+    experiment = posixpath.join(path, sweep)
+    if tune.Tuner.can_restore(experiment, storage_filesystem=filesystem):
+        return tune.Tuner.restore(experiment, trainable, resume_errored=True, storage_filesystem=filesystem)
+    if space.search == "grid":
+        param_space = {"point": tune.grid_search(space.grid_points())}
+        samples = space.num_samples
+    else:
+        param_space = {"point": tune.sample_from(lambda _: space.draw(base, random.Random()))}
+        samples = num_samples or space.num_samples
+    scheduler = (ASHAScheduler(time_attr="training_iteration", grace_period=space.scheduler.grace_period,
+                               reduction_factor=space.scheduler.reduction_factor, max_t=10_000)
+                 if space.scheduler.type == "asha" else FIFOScheduler())
+    return tune.Tuner(
+        trainable, param_space=param_space,
+        tune_config=tune.TuneConfig(metric=space.metric, mode=space.mode, num_samples=samples,
+                                    max_concurrent_trials=max_concurrent, scheduler=scheduler),
+        run_config=tune.RunConfig(name=sweep, storage_path=path, storage_filesystem=filesystem),
+    )
+
+
+def results_rows(results: tune.ResultGrid, space: SearchSpace) -> list[dict]:
+    rows = []
+    for result in results:
+        metrics = result.metrics or {}
+        point = (result.config or {}).get("point", {})
+        rows.append({**{k: v for k, v in point.items() if k not in space.base},
+                     "iterations": metrics.get("training_iteration", 0),
+                     "stopped_early": not metrics.get("trial_completed", False) and result.error is None,
+                     space.metric: metrics.get(space.metric), space.rank_by: metrics.get(space.rank_by),
+                     "error": str(result.error)[:200] if result.error else ""})
+    return rows
+
+
+def write_artifacts(rows: list[dict], space: SearchSpace, directory: Path) -> list[Path]:
+    """results.csv, results.md and a plot of the ranking metric and the early-stopping metric
+    against the first swept parameter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = list(rows[0]) if rows else []
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    (directory / "results.csv").write_text(buf.getvalue())
+    table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    table += ["| " + " | ".join(_fmt(r[c]) for c in columns) + " |" for r in rows]
+    (directory / "results.md").write_text("\n".join(table) + "\n")
+
+    x_key = next(k for k in columns if k not in ("iterations",))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, metric in zip(axes, (space.rank_by, space.metric)):
+        points = [(r[x_key], r[metric]) for r in rows if r[metric] is not None]
+        labels = [str(x) for x, _ in points]
+        ax.bar(range(len(points)), [y for _, y in points], tick_label=labels)
+        ax.set_xlabel(x_key)
+        ax.set_ylabel(metric)
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"sweep {space.name}")
+    fig.tight_layout()
+    fig.savefig(directory / "sweep.png", dpi=120)
+    plt.close(fig)
+    return [directory / "results.csv", directory / "results.md", directory / "sweep.png"]
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def run_sweep(space: SearchSpace, base_cfg: RunConfig, num_samples: int | None = None,
+              max_concurrent: int = 1) -> SweepSummary:
+    mlflow_uri = tracking.absolute_tracking_uri(base_cfg.mlflow_uri)
+    parent = tracking.get_or_create_run(
+        mlflow_uri, base_cfg.experiment, f"sweep-{base_cfg.name}-{space.name}",
+        {"space": space.model_dump(include={"name", "search", "metric", "mode", "rank_by"}),
+         "base": base_cfg.model_dump()})
+    results = build_tuner(space, base_cfg, parent, num_samples, max_concurrent).fit()
+    rows = results_rows(results, space)
+    client = MlflowClient(mlflow_uri)
+    for child in client.search_runs([client.get_run(parent).info.experiment_id],
+                                    filter_string=f"tags.mlflow.parentRunId = '{parent}'"):
+        if child.info.status == "RUNNING":  # stopped by ASHA mid-training
+            client.set_terminated(child.info.run_id, status="KILLED")
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_artifacts(rows, space, Path(tmp)) if rows else []
+        (Path(tmp) / "space.yaml").write_text(yaml.safe_dump(space.model_dump(), sort_keys=False))
+        paths.append(Path(tmp) / "space.yaml")
+        for path in paths:
+            client.log_artifact(parent, str(path))
+    ranked = [r for r in rows if r[space.rank_by] is not None]
+    best = max(ranked, key=lambda r: r[space.rank_by]) if ranked else None
+    if best:
+        client.log_metric(parent, f"best_{space.rank_by}", best[space.rank_by])
+    tracking.finish_run(mlflow_uri, parent)
+    return SweepSummary(parent, rows, best, [p.name for p in paths])
+

@@ -1,0 +1,104 @@
+"""Sweeps: a 4-trial Ray Tune sweep of the tiny model, ASHA, MLflow parent/children and artifacts;
+bad space files rejected before any trial starts."""
+
+import textwrap
+
+import pytest
+from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
+
+from mdc.config import ConfigError, RunConfig, load_config
+from pipelines.cli import app
+from pipelines.search_space import load_space
+
+SPACE = """\
+name: test_schedule
+search: grid
+metric: val_loss
+mode: min
+rank_by: probe_accuracy
+params:
+  objective.omega_l,objective.omega_u:
+    grid: [[0.0, 1.0], [0.5, 1.0]]
+  optim.lr:
+    grid: [0.002, 0.000001]
+base:
+  objective.name: mdc
+scheduler:
+  type: asha
+  grace_period: 1
+  reduction_factor: 2
+"""
+
+
+def write(tmp_path, text, name="space.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("params:\n  objective.omega_l:\n    grid: [0.6]\n  objective.omega_u:\n    grid: [0.5]\n",
+     "omega_l must be < omega_u, got 0.6 >= 0.5"),
+    ("params:\n  objective.omega_x:\n    grid: [0.1]\n", "'objective.omega_x' is not a run config field"),
+    ("params:\n  objective.omega_l:\n    uniform: [0.5, 0.5]\n", "uniform range is empty"),
+    ("params:\n  objective.omega_l:\n    grid: []\n", "grid is empty"),
+    ("params:\n  objective.omega_l:\n    grid: [0.1]\nsearhc: grid\n", "searhc: unknown key"),
+])
+def test_bad_space_is_rejected_with_the_key(tmp_path, bad, message):
+    head = "name: bad\n" + ("" if "searhc" in bad else "search: grid\n")
+    path = write(tmp_path, head + bad)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_space(path, RunConfig())
+
+
+def test_cli_rejects_bad_space_before_ray(tmp_path):
+    path = write(tmp_path, "name: bad\nsearch: grid\nparams:\n  objective.nme:\n    grid: [mdc]\n")
+    result = CliRunner().invoke(app, ["tune", "--space", str(path)])
+    assert result.exit_code == 2
+    assert "objective.nme" in result.output
+
+
+def test_random_space_never_proposes_an_empty_interval():
+    import random
+
+    space = load_space("tune_spaces/noise_schedule_random.yaml", RunConfig())
+    rng = random.Random(0)
+    draws = [space.draw(RunConfig().model_dump(), rng) for _ in range(300)]
+    assert all(d["objective.omega_l"] < d["objective.omega_u"] for d in draws)
+    assert min(d["objective.omega_l"] for d in draws) < 0.1 and max(d["objective.omega_u"] for d in draws) > 0.9
+
+
+def test_shipped_spaces_load():
+    for name in ("noise_schedule", "noise_schedule_random", "masking_ratio", "objectives"):
+        load_space(f"tune_spaces/{name}.yaml", RunConfig())
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path):
+    from pipelines.tune import run_sweep
+
+    base = load_config(None, [
+        "name=sweep", f"storage_uri={tmp_path / 'store'}", f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"data.train_uri={shapes_dir / 'train'}", f"data.val_uri={shapes_dir / 'val'}", "data.max_length=16",
+        "train.batch_size=8", "train.num_workers=1", "train.steps=12", "train.log_every=2", "train.val_every=2",
+        "train.val_batches=2", "train.checkpoint_every=12", "optim.warmup_steps=2"])
+    space = load_space(write(tmp_path, SPACE), base)
+    summary = run_sweep(space, base, max_concurrent=1)
+
+    client = MlflowClient(base.mlflow_uri)
+    parent = client.get_run(summary.parent_run_id)
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{summary.parent_run_id}'")
+    assert len(children) == 4
+    lrs = sorted(float(c.data.params["optim.lr"]) for c in children)
+    assert lrs == [0.000001, 0.000001, 0.002, 0.002]
+    assert sorted(float(c.data.params["objective.omega_l"]) for c in children) == [0.0, 0.0, 0.5, 0.5]
+    assert sum(r["stopped_early"] for r in summary.rows) >= 1
+    finished = [c for c in children if "probe_accuracy" in c.data.metrics]
+    assert finished and all(0.0 <= c.data.metrics["probe_accuracy"] <= 1.0 for c in finished)
+    assert all(c.info.status in ("FINISHED", "KILLED") for c in children)
+    artifacts = {a.path for a in client.list_artifacts(summary.parent_run_id)}
+    assert {"results.csv", "results.md", "sweep.png"} <= artifacts
+    assert summary.best is not None and summary.best["optim.lr"] == 0.002
