@@ -8,7 +8,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-ObjectiveName = Literal["mdc", "cmlm", "bert", "ar", "cappa"]
+ObjectiveName = Literal["mdc", "cmlm", "bert", "ar", "cappa", "clip", "cdlm"]
+MASKED_OBJECTIVES = ("mdc", "cmlm", "bert")  # the ones DDCap's length head and image-free training apply to
 PresetName = Literal["tiny", "vit_b32", "vit_b16", "vit_l14"]
 
 
@@ -26,6 +27,7 @@ class ModelConfig(_Section):
     decoder_layers: int | None = Field(None, ge=1, description="defaults to the preset's")
     time_conditioning: bool = False
     concentrated_attention: bool = False
+    predict_length: bool = Field(False, description="DDCap: caption-length head; masked objectives only")
 
 
 class ObjectiveConfig(_Section):
@@ -35,6 +37,8 @@ class ObjectiveConfig(_Section):
     antithetic: bool = True
     mask_ratio: float = Field(0.15, gt=0.0, le=1.0, description="bert only")
     parallel_prob: float = Field(0.75, ge=0.0, le=1.0, description="cappa only")
+    image_free_prob: float = Field(0.0, ge=0.0, lt=1.0, description="DDCap: share of captions trained "
+                                   "with the learned null image instead of V; masked objectives only")
 
     @model_validator(mode="after")
     def _schedule(self) -> ObjectiveConfig:
@@ -42,6 +46,8 @@ class ObjectiveConfig(_Section):
             raise ValueError(f"omega_l must be < omega_u, got {self.omega_l} >= {self.omega_u}")
         if self.name in ("mdc", "cmlm") and self.omega_u <= 0.0:
             raise ValueError("omega_u must be > 0 for diffusion objectives")
+        if self.image_free_prob > 0 and self.name not in MASKED_OBJECTIVES:
+            raise ValueError(f"image_free_prob applies to {MASKED_OBJECTIVES}, not {self.name!r}")
         return self
 
 
@@ -92,6 +98,14 @@ class RunConfig(_Section):
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _objective_needs(self) -> RunConfig:
+        if self.model.predict_length and self.objective.name not in MASKED_OBJECTIVES:
+            raise ValueError(f"model.predict_length applies to {MASKED_OBJECTIVES}, not {self.objective.name!r}")
+        if self.objective.name == "cdlm" and not self.model.time_conditioning:
+            self.model.time_conditioning = True  # the continuous denoiser must know its noise level
+        return self
 
 
 def _parse_value(text: str):

@@ -44,6 +44,11 @@ def create_encoder(preset: str, image_size: int) -> nn.Module:
     )
 
 
+def num_heads(dim: int) -> int:
+    """Attention heads of a transformer of width `dim` (64-wide heads; 4 for the tiny preset)."""
+    return dim // 64 if dim >= 256 else 4
+
+
 def sinusoidal_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
     half = dim // 2
     freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, device=t.device) / half)
@@ -112,15 +117,17 @@ class Captioner(nn.Module):
     def __init__(self, preset: str = "tiny", vocab_size: int = 49410, mask_id: int = 49408,
                  pad_id: int = 49409, bos_id: int = 49406, eos_id: int = 49407, max_length: int = 32,
                  image_size: int | None = None, decoder_layers: int | None = None,
-                 time_conditioning: bool = False, concentrated_attention: bool = False):
+                 time_conditioning: bool = False, concentrated_attention: bool = False,
+                 predict_length: bool = False, null_image: bool = False):
         super().__init__()
         p = PRESETS[preset]
         self.image_size = image_size or p.image_size
         self.encoder = create_encoder(preset, self.image_size)
         dim = self.encoder.embed_dim
-        heads = dim // 64 if dim >= 256 else 4
+        heads = num_heads(dim)
         self.mask_id, self.pad_id, self.bos_id, self.eos_id = mask_id, pad_id, bos_id, eos_id
         self.concentrated_attention = concentrated_attention
+        self.max_length = max_length
         self.token_embed = nn.Embedding(vocab_size, dim)
         self.pos_embed = nn.Parameter(torch.zeros(1, max_length + 1, dim))  # +1: AR's BOS shift
         nn.init.normal_(self.pos_embed, std=0.02)
@@ -130,6 +137,10 @@ class Captioner(nn.Module):
         self.blocks = nn.ModuleList(DecoderBlock(dim, heads, time_conditioning)
                                     for _ in range(decoder_layers or p.decoder_layers))
         self.norm = nn.LayerNorm(dim)
+        # DDCap switches (mdc/ddcap.py): a caption-length classifier on the pooled image feature, and
+        # a learned null image that stands in for V in image-free training and guidance.
+        self.length_head = nn.Linear(dim, max_length) if predict_length else None
+        self.null_image = nn.Parameter(0.02 * torch.randn(1, 1, dim)) if null_image else None
         never = torch.zeros(vocab_size)
         never[[mask_id, pad_id]] = float("-inf")
         self.register_buffer("logit_bias", never, persistent=False)
@@ -162,20 +173,20 @@ class Captioner(nn.Module):
     def image_keys_values(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [blk.cross_attn.keys_values(features) for blk in self.blocks]
 
-    def decode(self, tokens: torch.Tensor, features: torch.Tensor | list, t: torch.Tensor | None = None,
-               causal: torch.Tensor | bool = False, cache: list[dict] | None = None,
-               offset: int = 0, where: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, L, vocab) for `tokens` given image features (or their precomputed K/V).
+    def null_features(self, batch_size: int) -> torch.Tensor:
+        """The learned null image as V (B, 1, D): what the decoder sees without an image."""
+        return self.null_image.expand(batch_size, -1, -1)
 
-        With `where` (B, L) boolean, only the logits at those positions, flattened to (M, vocab):
-        the output layer is the decoder's largest matmul, so losses project only what they score.
-
-        With `cache` (one dict per block) only the new tokens are passed, starting at position
-        `offset`; attention over the cached prefix is implicit, so this path is causal by design.
-        """
+    def hidden_states(self, tokens: torch.Tensor, features: torch.Tensor | list, t: torch.Tensor | None = None,
+                      causal: torch.Tensor | bool = False, cache: list[dict] | None = None, offset: int = 0,
+                      inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's final (normalised) states (B, L, D); see `decode`. `inputs_embeds` (B, L, D)
+        replaces the token embeddings as input (continuous diffusion); `tokens` still decide which
+        keys are hidden (pad, and [MASK] with concentrated attention)."""
         per_block = features if isinstance(features, list) else [features] * len(self.blocks)
         n = tokens.shape[1]
-        x = self.token_embed(tokens) + self.pos_embed[:, offset:offset + n]
+        x = self.token_embed(tokens) if inputs_embeds is None else inputs_embeds
+        x = x + self.pos_embed[:, offset:offset + n]
         t_emb = None
         if self.time_mlp is not None:
             if t is None:
@@ -184,23 +195,66 @@ class Captioner(nn.Module):
         mask = None if cache is not None else self.self_attention_mask(tokens, causal)
         for i, blk in enumerate(self.blocks):
             x = blk(x, per_block[i], mask, t_emb, None if cache is None else cache[i])
-        x = self.norm(x)
+        return self.norm(x)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits of decoder states: the tied output layer, [MASK] and pad at −∞."""
+        return F.linear(x, self.token_embed.weight).float() + self.logit_bias
+
+    def decode(self, tokens: torch.Tensor, features: torch.Tensor | list, t: torch.Tensor | None = None,
+               causal: torch.Tensor | bool = False, cache: list[dict] | None = None,
+               offset: int = 0, where: torch.Tensor | None = None,
+               inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, L, vocab) for `tokens` given image features (or their precomputed K/V).
+
+        With `where` (B, L) boolean, only the logits at those positions, flattened to (M, vocab):
+        the output layer is the decoder's largest matmul, so losses project only what they score.
+
+        With `cache` (one dict per block) only the new tokens are passed, starting at position
+        `offset`; attention over the cached prefix is implicit, so this path is causal by design.
+        """
+        x = self.hidden_states(tokens, features, t, causal, cache, offset, inputs_embeds)
         if where is not None:
             x = x[where]
-        logits = F.linear(x, self.token_embed.weight)  # tied output layer
-        return logits.float() + self.logit_bias
+        return self.project(x)
 
-    def forward(self, images, tokens, t=None, causal=False, where=None):
-        return self.decode(tokens, self.encode(images), t=t, causal=causal, where=where)
+    def forward(self, images, tokens, t=None, causal=False, where=None, image_free=None, return_length=False):
+        """Training entry point (FSDP unshards parameters around it), so everything a loss needs
+        from the parameters comes out of this one call.
+
+        DDCap: rows where `image_free` (B,) is True see the learned null image instead of V; with
+        `return_length`, also the caption-length logits of the pooled image feature:
+        (logits, length_logits)."""
+        features = self.encode(images)
+        condition = features if image_free is None else \
+            torch.where(image_free[:, None, None], self.null_image, features)
+        logits = self.decode(tokens, condition, t=t, causal=causal, where=where)
+        if return_length:
+            return logits, self.length_head(features.mean(dim=1))
+        return logits
 
 
-def build_model(cfg, tokenizer) -> Captioner:
-    """A Captioner from a RunConfig's model/data sections and the tokenizer's special ids."""
-    return Captioner(
+def build_model(cfg, tokenizer) -> nn.Module:
+    """The model of a RunConfig (from its model/data/objective sections and the tokenizer's special
+    ids): a Captioner; for `cdlm` its continuous-diffusion variant; for `clip` a contrastive dual encoder
+    around the same ViT."""
+    if cfg.objective.name == "clip":
+        from mdc.clip_baseline import ClipModel
+
+        return ClipModel(preset=cfg.model.preset, max_length=cfg.data.max_length, image_size=cfg.model.image_size,
+                         text_layers=cfg.model.decoder_layers, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                         pad_id=tokenizer.pad_id)
+    cls = Captioner
+    if cfg.objective.name == "cdlm":
+        from mdc.continuous_diffusion import DiffusionLMCaptioner
+
+        cls = DiffusionLMCaptioner
+    return cls(
         preset=cfg.model.preset, vocab_size=tokenizer.vocab_size, mask_id=tokenizer.mask_id,
         pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
         max_length=cfg.data.max_length,
         image_size=cfg.model.image_size, decoder_layers=cfg.model.decoder_layers,
         time_conditioning=cfg.model.time_conditioning,
         concentrated_attention=cfg.model.concentrated_attention,
+        predict_length=cfg.model.predict_length, null_image=cfg.objective.image_free_prob > 0,
     )

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mdc import ddcap
+
 
 def sample_t(n: int, omega_l: float, omega_u: float, antithetic: bool = True,
              generator: torch.Generator | None = None, device=None) -> torch.Tensor:
@@ -41,24 +43,40 @@ def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, mask_id: int, pad_id: int
 
 
 def masked_diffusion_loss(model, images, tokens, kind: str, omega_l=0.5, omega_u=1.0,
-                          antithetic=True, mask_ratio=0.15, generator=None):
+                          antithetic=True, mask_ratio=0.15, generator=None, image_free_prob=0.0):
     """`mdc`: 1/t-weighted, normalised by non-pad tokens; `cmlm`: same masking, unweighted mean
-    over masked tokens; `bert`: a fixed ratio instead of a sampled t, mean over masked tokens."""
+    over masked tokens; `bert`: a fixed ratio instead of a sampled t, mean over masked tokens.
+
+    DDCap switches (mdc/ddcap.py): with `image_free_prob` that share of captions is trained against
+    the learned null image; a model with a length head adds the length cross-entropy."""
     b = tokens.shape[0]
     if kind == "bert":
         t = torch.full((b,), float(mask_ratio), device=tokens.device)
     else:
         t = sample_t(b, omega_l, omega_u, antithetic, generator, tokens.device)
     noisy, masked = mask_tokens(tokens, t, model.mask_id, model.pad_id, generator)
-    logits = model(images, noisy, t=t, causal=False, where=masked)
+    ddcap_options = {}
+    if image_free_prob > 0:
+        ddcap_options["image_free"] = torch.rand(b, generator=generator, device=tokens.device) < image_free_prob
+    if getattr(model, "length_head", None) is not None:
+        ddcap_options["return_length"] = True
+    out = model(images, noisy, t=t, causal=False, where=masked, **ddcap_options)
+    logits, length_logits = out if "return_length" in ddcap_options else (out, None)
     nll = F.cross_entropy(logits, tokens[masked], reduction="none")
     if kind == "mdc":
         weight = (1.0 / t)[:, None].expand_as(masked)[masked]
         loss = (weight * nll).sum() / (tokens != model.pad_id).sum()
     else:
         loss = nll.mean()
-    return loss, {"masked_fraction": masked.sum() / (tokens != model.pad_id).sum(),
-                  "nll_masked": nll.mean().detach()}
+    metrics = {"masked_fraction": masked.sum() / (tokens != model.pad_id).sum(),
+               "nll_masked": nll.mean().detach()}
+    if length_logits is not None:
+        length_ce = ddcap.length_loss(length_logits, tokens, model.pad_id)
+        loss = loss + length_ce
+        metrics["length_ce"] = length_ce.detach()
+    if "image_free" in ddcap_options:
+        metrics["image_free_fraction"] = ddcap_options["image_free"].float().mean()
+    return loss, metrics
 
 
 def autoregressive_io(tokens: torch.Tensor, bos_id: int, eos_id: int, pad_id: int):
@@ -85,10 +103,19 @@ def autoregressive_loss(model, images, tokens, parallel_prob: float = 0.0, gener
 
 
 def compute_loss(model, images, tokens, objective, generator=None):
-    """Dispatch on an ObjectiveConfig; returns (loss, metrics)."""
+    """Dispatch on an ObjectiveConfig; returns (loss, metrics). The baselines outside the masked /
+    autoregressive family live in their own modules: CLIP and CLIP-Diffusion-LM (`cdlm`)."""
     if objective.name in ("mdc", "cmlm", "bert"):
         return masked_diffusion_loss(model, images, tokens, objective.name, objective.omega_l,
                                      objective.omega_u, objective.antithetic, objective.mask_ratio,
-                                     generator)
+                                     generator, objective.image_free_prob)
+    if objective.name == "clip":
+        from mdc.clip_baseline import clip_loss
+
+        return clip_loss(model, images, tokens)
+    if objective.name == "cdlm":
+        from mdc.continuous_diffusion import continuous_diffusion_loss
+
+        return continuous_diffusion_loss(model, images, tokens, generator)
     parallel = objective.parallel_prob if objective.name == "cappa" else 0.0
     return autoregressive_loss(model, images, tokens, parallel, generator)

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from mdc import ddcap
+
 
 def _choose(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Token per position (argmax at temperature 0, else sampled) and its probability."""
@@ -34,18 +36,37 @@ def initial_tokens(model, batch_size: int, length: int, device) -> torch.Tensor:
 def sample_masked(model, images: torch.Tensor, length: int | None = None,
                   tokens: torch.Tensor | None = None, strategy: str = "confidence",
                   steps: int | None = None, tokens_per_step: int = 1, temperature: float = 0.0,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """Denoise [MASK] positions of `tokens` (B, L) — or of N' = `length` fresh [MASK]s.
+                  generator: torch.Generator | None = None, guidance_scale: float = 1.0) -> torch.Tensor:
+    """Denoise [MASK] positions of `tokens` (B, L) — or of N' = `length` fresh [MASK]s, or, for a
+    model with a length head (DDCap) and no length given, of its predicted N' per image.
 
     `steps` defaults to ceil(masked / tokens_per_step): N' steps, one token each, as in the paper.
-    Returns (B, L) tokens with no [MASK] left; pad positions stay pad.
+    `guidance_scale` s ≠ 1 (a model trained image-free) mixes conditional and null-image logits,
+    l_u + s·(l_c − l_u). Returns (B, L) tokens with no [MASK] left; pad positions stay pad.
     """
+    features = model.encode(images)
     if tokens is None:
-        if length is None:
-            raise ValueError("give a caption length N' or tokens to infill")
-        tokens = initial_tokens(model, images.shape[0], length, images.device)
+        if length is not None:
+            tokens = initial_tokens(model, images.shape[0], length, images.device)
+        elif getattr(model, "length_head", None) is not None:
+            lengths = ddcap.predicted_lengths(model.length_head(features.mean(dim=1)))
+            tokens = ddcap.masked_captions(lengths, model.max_length, model.mask_id, model.pad_id)
+        else:
+            raise ValueError("give a caption length N' or tokens to infill (or train a length head)")
     tokens = tokens.clone()
-    image_kv = model.image_keys_values(model.encode(images))
+    image_kv = model.image_keys_values(features)
+    null_kv = None
+    if guidance_scale != 1.0:
+        if getattr(model, "null_image", None) is None:
+            raise ValueError("guidance needs a model trained image-free (objective.image_free_prob > 0)")
+        null_kv = model.image_keys_values(model.null_features(len(tokens)))
+
+    def logits_at(tokens, t):
+        logits = model.decode(tokens, image_kv, t=t)
+        if null_kv is None:
+            return logits
+        return ddcap.guide(logits, model.decode(tokens, null_kv, t=t), guidance_scale)
+
     masked = tokens == model.mask_id
     total = masked.sum(1)
     if steps is None:
@@ -54,8 +75,7 @@ def sample_masked(model, images: torch.Tensor, length: int | None = None,
         if not masked.any():
             break
         t = masked.sum(1) / total.clamp(min=1)  # fraction still masked: the current noise level
-        logits = model.decode(tokens, image_kv, t=t)
-        proposal, conf = _choose(logits, temperature, generator)
+        proposal, conf = _choose(logits_at(tokens, t), temperature, generator)
         if strategy == "ancestral":
             t_now, t_next = 1.0 - step / steps, 1.0 - (step + 1) / steps
             u = torch.rand(tokens.shape, generator=generator, device=tokens.device)
@@ -69,7 +89,7 @@ def sample_masked(model, images: torch.Tensor, length: int | None = None,
         tokens = torch.where(commit, proposal, tokens)
         masked = masked & ~commit
     if masked.any():  # fewer steps than needed: commit the rest at once
-        proposal, _ = _choose(model.decode(tokens, image_kv, t=torch.zeros(len(tokens), device=tokens.device)),
+        proposal, _ = _choose(logits_at(tokens, torch.zeros(len(tokens), device=tokens.device)),
                               temperature, generator)
         tokens = torch.where(masked, proposal, tokens)
     return tokens

@@ -9,10 +9,14 @@ import typer
 from rich.console import Console
 
 from mdc.config import ConfigError, load_config
+from pipelines.evaluate import eval_app
+from pipelines.scaling import scaling
+from pipelines.submit import submit
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 data_app = typer.Typer(no_args_is_help=True, help="Write datasets as shards (local path or s3://).")
 app.add_typer(data_app, name="data")
+app.add_typer(eval_app, name="eval")
 console = Console()
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
@@ -74,6 +78,33 @@ def train(ctx: typer.Context,
                   f"skipped {summary.skipped or 'none'}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def tune(ctx: typer.Context,
+         space: Path = typer.Option(..., help="search space YAML (tune_spaces/)"),
+         config: Path = typer.Option(DEFAULT_CONFIG, help="base run config"),
+         samples: Optional[int] = typer.Option(None, help="trials for a random space"),
+         max_concurrent: int = typer.Option(1, help="trials at once (1–2 on a 2-core machine)"),
+         address: Optional[str] = None):
+    """Sweep a search space with Ray Tune (ASHA); every trial an MLflow child run. Extra
+    arguments are `section.key=value` overrides of the base config."""
+    from pipelines.search_space import load_space
+
+    try:
+        base = load_config(config, list(ctx.args))
+        search_space = load_space(space, base)
+    except ConfigError as err:
+        _fail(str(err))
+    from pipelines.runtime import connect_ray
+    from pipelines.tune import run_sweep
+
+    connect_ray(address)
+    summary = run_sweep(search_space, base, samples, max_concurrent)
+    for row in summary.rows:
+        console.print(row)
+    console.print(f"[green]best[/green] {summary.best}\nMLflow parent run {summary.parent_run_id}: "
+                  f"mlflow ui --backend-store-uri {base.mlflow_uri}")
+
+
 @app.command()
 def demo(workdir: Path = typer.Option(Path("mdc-demo"), help="where runs, MLflow and the summary go"),
          num: int = typer.Option(2000, help="shapes images to generate"),
@@ -84,6 +115,39 @@ def demo(workdir: Path = typer.Option(Path("mdc-demo"), help="where runs, MLflow
 
     overrides = [f"train.steps={steps}"] if steps else []
     run_demo(workdir, num=num, overrides=overrides, console=console)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def compare(ctx: typer.Context,
+            objectives: str = typer.Option("mdc,ar,cappa,cmlm,bert,clip,cdlm", help="comma-separated objectives"),
+            workdir: Path = typer.Option(Path("mdc-compare"), help="runs, MLflow, the shapes data and the tables"),
+            data: Optional[str] = typer.Option(None, help="shapes-like shards (default: generate shapes in WORKDIR)"),
+            config: Path = typer.Option(DEFAULT_CONFIG, help="base YAML run config (its data paths are replaced)"),
+            steps: Optional[int] = None, name: Optional[str] = None,
+            caption_length: int = typer.Option(10, min=1, help="caption length N' for BLEU-4 / CIDEr-D"),
+            limit: int = typer.Option(200, min=1, help="images per evaluation (captions, each compositionality subset)"),
+            samples: int = typer.Option(8, min=1, help="Monte Carlo draws per caption score"),
+            address: Optional[str] = None):
+    """Train the objectives at one budget on one dataset; one table of probe and compositionality
+    accuracy, BLEU-4/CIDEr-D, captions/s and training images/s (console, compare.md/.html, MLflow).
+    Extra arguments are `section.key=value` overrides of the shared config."""
+    names = [o.strip() for o in objectives.split(",") if o.strip()]
+    overrides = [*ctx.args, *([f"train.steps={steps}"] if steps else [])]
+    try:
+        for objective in names:  # every objective's config must be valid before anything trains
+            load_config(config, [*overrides, f"objective.name={objective}"])
+    except ConfigError as err:
+        _fail(str(err))
+    from pipelines.compare import run_compare
+    from pipelines.runtime import connect_ray
+
+    connect_ray(address)
+    run_compare(names, workdir, data, config, overrides, name, caption_length, limit, samples, console=console)
+
+
+EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+app.command("submit", context_settings=EXTRA_ARGS)(submit)
+app.command("scaling", context_settings=EXTRA_ARGS)(scaling)
 
 
 if __name__ == "__main__":

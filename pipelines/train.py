@@ -71,9 +71,12 @@ def _step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
 
 def validation_objective(objective: ObjectiveConfig) -> ObjectiveConfig:
     """One yardstick across a sweep: the masked-diffusion ELBO over t ∈ [1e-3, 1] for every
-    masking objective (whatever its training schedule or ratio), exact NLL for AR ones."""
+    masking objective (whatever its training schedule or ratio), exact NLL for AR ones; the
+    baselines outside the family (clip, cdlm) are validated on their own loss."""
     if objective.name in ("ar", "cappa"):
         return ObjectiveConfig(name="ar")
+    if objective.name in ("clip", "cdlm"):
+        return objective
     return ObjectiveConfig(name="mdc", omega_l=1e-3, omega_u=1.0, antithetic=True)
 
 
@@ -96,6 +99,13 @@ def param_norm(model) -> float:
     local = sum(p.to_local().float().pow(2).sum() for p in model.parameters())
     dist.all_reduce(local)
     return float(local.sqrt())
+
+
+def mean_over_ranks(value: float, device) -> float:
+    """The global batch's loss rather than rank 0's share of it."""
+    tensor = torch.tensor(value, device=device)
+    dist.all_reduce(tensor)
+    return float(tensor) / dist.get_world_size()
 
 
 def train_loop(loop_config: dict) -> None:
@@ -150,6 +160,7 @@ def train_loop(loop_config: dict) -> None:
                                  cfg.optim.grad_clip, _step_generator(tc.seed, rank, step, device), ema)
             images_seen += images.shape[0] * world
             tokens_seen += int((tokens != CaptionTokenizer.pad_id).sum()) * world
+            metrics["loss"] = mean_over_ranks(metrics["loss"], device)
             metrics["epoch"] = epoch
             if val_batches and (step % tc.val_every == 0 or step == tc.steps):
                 last_val = validation_loss(model, val_batches, cfg.objective, tc.seed, device)

@@ -1,0 +1,117 @@
+"""Linear probe (SPEC §9): freeze the encoder, pool its output, fit a logistic regression.
+
+Features are the model's `encode_image` (mean of the normalised patch features), standardised with
+the training split's statistics. The inverse regularisation C is chosen on a held-out part of the
+training split, then the classifier is refitted on the whole training split and scored on the test
+split (top-1). Features can be cached on disk, keyed by the checkpoint's content and the split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from sklearn.linear_model import LogisticRegression
+from sklearn.model_selection import train_test_split
+from sklearn.preprocessing import StandardScaler
+
+from mdc.evaluation.readers import ImageSource, Split, load_image, read_split
+from mdc.images import ImageTransform
+
+DEFAULT_CS = tuple(np.logspace(-3, 2, 6))  # 1e-3 .. 1e2
+
+
+def preprocess(sources: Sequence[ImageSource], image_size: int) -> torch.Tensor:
+    """(B, 3, S, S) encoder inputs: the same resize, crop and normalisation as training."""
+    transform = ImageTransform(image_size)
+    return torch.from_numpy(np.stack([transform(load_image(s)) for s in sources]))
+
+
+@torch.no_grad()
+def extract_features(model, sources: Sequence[ImageSource], batch_size: int = 128) -> np.ndarray:
+    """(N, D) float32 pooled features, computed a batch at a time in this process."""
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, len(sources), batch_size):
+        images = preprocess(sources[i:i + batch_size], model.image_size).to(device)
+        out.append(model.encode_image(images).float().cpu().numpy())
+    return np.concatenate(out) if out else np.zeros((0, model.dim), np.float32)
+
+
+def fit_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray,
+              cs: Sequence[float] = DEFAULT_CS, val_fraction: float = 0.2, seed: int = 0,
+              max_iter: int = 1000) -> dict:
+    """Top-1 test accuracy of a logistic regression whose C is chosen on a held-out part of train."""
+    scaler = StandardScaler().fit(train_x)
+    train_x, test_x = scaler.transform(train_x), scaler.transform(test_x)
+    counts = np.bincount(train_y)
+    stratify = train_y if counts[counts > 0].min() >= 2 else None
+    fit_x, val_x, fit_y, val_y = train_test_split(train_x, train_y, test_size=val_fraction,
+                                                  random_state=seed, stratify=stratify)
+
+    def classifier(c: float) -> LogisticRegression:
+        return LogisticRegression(C=c, max_iter=max_iter, random_state=seed)
+
+    val_accuracy = {float(c): float(classifier(c).fit(fit_x, fit_y).score(val_x, val_y)) for c in cs}
+    best = max(val_accuracy, key=val_accuracy.get)  # the first (strongest regularisation) on ties
+    accuracy = float(classifier(best).fit(train_x, train_y).score(test_x, test_y))
+    return {"accuracy": accuracy, "best_c": best, "val_accuracy": val_accuracy,
+            "num_train": int(len(train_y)), "num_test": int(len(test_y))}
+
+
+def linear_probe(train: Split, test: Split, features: Callable[[Split], np.ndarray], **fit_options) -> dict:
+    """Probe result for one dataset; `features(split)` gives its (N, D) features (cached, Ray, ...)."""
+    result = fit_probe(features(train), train.labels, features(test), test.labels, **fit_options)
+    return {"dataset": train.name.split("/")[0], "num_classes": len(train.class_names), **result}
+
+
+def random_init(cfg, seed: int = 0):
+    """The same architecture with fresh random weights: the baseline a probe must beat."""
+    from mdc.model import build_model
+    from mdc.tokenizer import CaptionTokenizer
+
+    torch.manual_seed(seed)
+    return build_model(cfg, CaptionTokenizer).eval()
+
+
+def probe_shapes(model, data_uri: str, endpoint_url: str | None = None, baseline=None,
+                 batch_size: int = 128) -> dict:
+    """Probe on a shapes (or tuxpaint) shard dataset: fit on train/, test on val/. With a
+    `baseline` model (e.g. `random_init(cfg)`) also reports its accuracy as random_init_accuracy."""
+    train, test = (read_split("shapes", data_uri, s, endpoint_url) for s in ("train", "test"))
+    result = linear_probe(train, test, lambda split: extract_features(model, split.sources, batch_size))
+    if baseline is not None:
+        base = linear_probe(train, test, lambda split: extract_features(baseline, split.sources, batch_size))
+        result["random_init_accuracy"] = base["accuracy"]
+    return result
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """A short content hash: the cache key of a checkpoint's features (copies share it)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def cached_features(cache_dir: str | Path | None, model_key: str, split: Split, root: str,
+                    compute: Callable[[], np.ndarray]) -> np.ndarray:
+    """Features from CACHE/MODEL_KEY/DATASET-SPLIT-ROOTHASH.npy, computed and stored if absent."""
+    if cache_dir is None:
+        return compute()
+    root_hash = hashlib.sha256(str(root).encode()).hexdigest()[:8]
+    path = Path(cache_dir) / model_key / f"{split.name.replace('/', '-')}-{root_hash}.npy"
+    if path.is_file():
+        features = np.load(path)
+        if len(features) == len(split):
+            return features
+    features = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial.npy")
+    np.save(tmp, features)
+    tmp.replace(path)
+    return features

@@ -1,0 +1,166 @@
+"""`mdc compare`: train the chosen objectives at one budget on one dataset and put them in one table.
+
+Every objective is trained through the same Ray Train pipeline with the same config (steps, batch,
+model, data; only `objective.name` differs), then its exported checkpoint is evaluated in this process:
+- probe: linear-probe top-1 on the dataset's labels (train/ fits, val/ tests), the encoder frozen;
+- compositionality: macro accuracy over the dataset's ARO and SugarCrepe files, with the objective's
+  own scorer (exact AR likelihood, Monte Carlo ELBO, CLIP cosine, denoising score);
+- BLEU-4 / CIDEr-D and captions per second of captions written at N' = `caption_length` on val/
+  (CLIP writes none);
+- training images per second over the run (all workers).
+The table goes to the console, to compare.md and compare.html, and to MLflow: a parent run holding
+every row's metrics and both files, with each objective's training run as its child.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from mdc.config import RunConfig, load_config
+from mdc.storage import join
+
+DEFAULT_OBJECTIVES = ("mdc", "ar", "cappa", "cmlm", "bert", "clip", "cdlm")
+COLUMNS = {  # field -> (column title, format)
+    "objective": ("objective", "{}"), "probe_accuracy": ("probe acc.", "{:.3f}"),
+    "compositionality_accuracy": ("compositionality acc.", "{:.3f}"), "bleu4": ("BLEU-4", "{:.4f}"),
+    "cider": ("CIDEr-D", "{:.4f}"), "captions_per_s": ("captions/s", "{:.1f}"),
+    "train_images_per_s": ("train images/s", "{:.1f}"), "final_loss": ("final loss", "{:.3f}"),
+}
+
+
+@dataclass
+class Row:
+    objective: str
+    probe_accuracy: float
+    compositionality_accuracy: float
+    bleu4: float | None
+    cider: float | None
+    captions_per_s: float | None
+    train_images_per_s: float
+    final_loss: float
+    checkpoint: str
+    mlflow_run_id: str
+
+    def cells(self) -> list[str]:
+        """The table row; "n/a" where an objective has no such number (CLIP writes no captions)."""
+        return ["n/a" if getattr(self, f) is None else fmt.format(getattr(self, f)) for f, (_, fmt) in COLUMNS.items()]
+
+
+def evaluate_checkpoint(checkpoint: str, data_uri: str, endpoint_url: str | None = None, caption_length: int = 10,
+                        limit: int | None = 200, samples: int = 8, seed: int = 0) -> dict:
+    """The table's metrics of one exported checkpoint on a shapes-like dataset (labels, val/ captions,
+    compositionality/ files)."""
+    from mdc import shards
+    from mdc.checkpoint import load_pretrained
+    from mdc.evaluation import captioning, compositionality, probe
+
+    model, cfg = load_pretrained(checkpoint, endpoint_url=endpoint_url)
+    objective = cfg.objective.name
+    out = {"probe_accuracy": probe.probe_shapes(model, data_uri, endpoint_url)["accuracy"]}
+    root = join(data_uri, "compositionality")
+    items = {f"{benchmark}/{subset}": subset_items
+             for benchmark in compositionality.BENCHMARKS
+             for subset, subset_items in compositionality.read_benchmark(benchmark, root).items()}
+    _, score = compositionality.get_scorer("auto", objective)
+    out["compositionality_accuracy"] = compositionality.evaluate_compositionality(
+        model, items, score, samples=samples, seed=seed, limit=limit)["macro_accuracy"]
+    out.update(bleu4=None, cider=None, captions_per_s=None)
+    if objective != "clip":
+        images = captioning.group_by_image(shards.read_shards(join(data_uri, "val"), endpoint_url), limit)
+        result = captioning.evaluate_captions(model, objective, images, lengths=(caption_length,))
+        out.update(result["lengths"][str(caption_length)])
+    return out
+
+
+def compare_config(base: RunConfig, objective: str, data_uri: str, name: str) -> RunConfig:
+    """The base config with this objective and run name; training data = data_uri/train, no val loss
+    (the held-out evaluation is the table)."""
+    raw = base.model_dump()
+    raw.update(name=f"{name}-{objective}")
+    raw["objective"]["name"] = objective
+    raw["data"].update(train_uri=join(data_uri, "train"), val_uri=None)
+    return RunConfig.model_validate(raw)
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    lines = ["| " + " | ".join(title for title, _ in COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
+    return "\n".join(lines + ["| " + " | ".join(row.cells()) + " |" for row in rows]) + "\n"
+
+
+def html_table(rows: Sequence[Row], title: str) -> str:
+    head = "".join(f"<th>{html.escape(title)}</th>" for title, _ in COLUMNS.values())
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row.cells()) + "</tr>" for row in rows)
+    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title><style>"
+            "body{font-family:sans-serif}td,th{padding:4px 10px;border-bottom:1px solid #ddd;text-align:right}"
+            f"</style></head><body><h1>{html.escape(title)}</h1><table><tr>{head}</tr>{body}</table></body></html>")
+
+
+def run_compare(objectives: Sequence[str], workdir: Path, data_uri: str | None = None, config: Path | None = None,
+                overrides: Sequence[str] = (), name: str | None = None, caption_length: int = 10,
+                limit: int | None = 200, samples: int = 8, num_images: int = 2000,
+                console: Console | None = None) -> list[Row]:
+    """Train and evaluate every objective; write the table (console, compare.md/.html, MLflow).
+
+    `config` (default: none, the built-in defaults) and `overrides` make the shared budget; runs,
+    MLflow and the tables go under `workdir`. Without `data_uri`, `num_images` shapes are generated
+    into workdir/shapes (once)."""
+    from mdc import shards
+    from mdc.datasets.shapes import write_shapes_dataset
+    from pipelines import tracking
+    from pipelines.evaluate import log_evaluation
+    from pipelines.train import run_training
+
+    console = console or Console()
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    name = name or f"compare-{time.strftime('%Y%m%d-%H%M%S')}"  # a reused run name would resume, not train
+    base = load_config(config, [f"storage_uri={workdir / 'checkpoints'}",
+                                f"mlflow_uri=sqlite:///{workdir / 'mlflow.db'}", *overrides])
+    endpoint_url = base.data.endpoint_url
+    if data_uri is None:
+        data_uri = str(workdir / "shapes")
+        if not (workdir / "shapes" / shards.MANIFEST).is_file():
+            console.print(f"writing {num_images} shapes images to {data_uri}")
+            write_shapes_dataset(data_uri, num=num_images, seed=base.train.seed)
+    mlflow_uri = tracking.absolute_tracking_uri(base.mlflow_uri)
+    parent = tracking.get_or_create_run(mlflow_uri, base.experiment, name, {
+        "objectives": ",".join(objectives), "data": data_uri, "caption_length": caption_length, **base.model_dump()})
+    rows = []
+    try:
+        for objective in objectives:
+            cfg = compare_config(base, objective, data_uri, name)
+            console.print(f"[bold]{objective}[/bold]: training {cfg.train.steps} steps")
+            summary = run_training(cfg, parent_run_id=parent)
+            metrics = evaluate_checkpoint(summary.checkpoint_uri, data_uri, endpoint_url, caption_length, limit,
+                                          samples, cfg.train.seed)
+            row = Row(objective=objective, **metrics, train_images_per_s=summary.metrics["images_per_s"],
+                      final_loss=summary.metrics["loss"], checkpoint=summary.checkpoint_uri,
+                      mlflow_run_id=summary.mlflow_run_id)
+            rows.append(row)
+            numbers = {f"compare/{k}": v for k, v in asdict(row).items() if isinstance(v, float)}
+            log_evaluation(mlflow_uri, numbers, [], run_id=summary.mlflow_run_id)
+    except BaseException:
+        tracking.finish_run(mlflow_uri, parent, "FAILED")
+        raise
+
+    title = f"mdc compare: {', '.join(objectives)} on {data_uri}, {base.train.steps} steps"
+    (workdir / "compare.md").write_text(f"# {title}\n\n{markdown_table(rows)}")
+    (workdir / "compare.html").write_text(html_table(rows, title))
+    table = Table(title=title)
+    for field, (title, _) in COLUMNS.items():
+        table.add_column(title, justify="left" if field == "objective" else "right")
+    for row in rows:
+        table.add_row(*row.cells())
+    console.print(table)
+    parent_metrics = {f"{row.objective}/{k}": v for row in rows for k, v in asdict(row).items() if isinstance(v, float)}
+    log_evaluation(mlflow_uri, parent_metrics, [workdir / "compare.md", workdir / "compare.html"], run_id=parent)
+    tracking.finish_run(mlflow_uri, parent)
+    console.print(f"table: {workdir / 'compare.md'}, {workdir / 'compare.html'}; MLflow parent run {parent}")
+    return rows

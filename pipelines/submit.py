@@ -1,0 +1,168 @@
+"""`mdc submit -- mdc train ...`: run an `mdc` command as a Ray job through the Job Submission API.
+
+The submission id is stable (`mdc-<run name>` unless --submission-id is given), so submitting the
+same command again never starts a second job: a pending or running job is followed, a succeeded one
+is reported, and a failed or stopped one is submitted again as `<id>-r1`, `<id>-r2`, ... with the
+same run name, so Ray Train resumes it from its last checkpoint. The command exits with the job's
+outcome: 0 when it succeeded, 1 when it failed or was stopped, 2 when it could not be submitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+import yaml
+from rich.console import Console
+
+console = Console(stderr=True, soft_wrap=True)  # stdout carries the job's own log
+
+ACTIVE = ("PENDING", "RUNNING")
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+# Never uploaded: local environments, runs and stores (Ray also honours .gitignore).
+WORKING_DIR_EXCLUDES = [".git", ".venv", "runs", "mdc-demo", "*.db", "__pycache__", "*.egg-info"]
+
+
+def _option(tokens: list[str], flag: str) -> str | None:
+    for i, token in enumerate(tokens):
+        if token == flag and i + 1 < len(tokens):
+            return tokens[i + 1]
+        if token.startswith(flag + "="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def run_name_of(entrypoint: list[str], working_dir: Path | None) -> str | None:
+    """The run name an `mdc train|scaling` entrypoint will use: its --name, a `name=` override, or
+    the `name` in its --config file (read relative to the working dir); None if it has none."""
+    name = _option(entrypoint, "--name") or next((t[5:] for t in entrypoint if t.startswith("name=")), None)
+    config = _option(entrypoint, "--config")
+    if name is None and config is not None:
+        path = Path(config) if working_dir is None else working_dir / config  # `/` keeps absolute paths
+        if path.is_file():
+            name = (yaml.safe_load(path.read_text()) or {}).get("name")
+    return name
+
+
+def default_submission_id(run_name: str) -> str:
+    """`mdc-<run name>` with anything but letters, digits, '-' and '_' replaced by '-'."""
+    return "mdc-" + re.sub(r"[^A-Za-z0-9_-]", "-", run_name)
+
+
+@dataclass
+class Plan:
+    action: str  # "submit" a new attempt, "follow" the running one, or "done": it succeeded
+    submission_id: str
+    status: str | None = None
+
+
+def plan_submission(base_id: str, statuses: dict[str, str]) -> Plan:
+    """What to do given the status of every job on the cluster (submission id -> status): attempts
+    of `base_id` are `base_id`, `base_id-r1`, `base_id-r2`, ...; only the latest one counts."""
+    pattern = re.compile(re.escape(base_id) + r"(?:-r(\d+))?")
+    attempts = sorted((int(m.group(1) or 0), sid) for sid in statuses if (m := pattern.fullmatch(sid)))
+    if not attempts:
+        return Plan("submit", base_id)
+    number, latest = attempts[-1]
+    status = statuses[latest]
+    if status in ACTIVE:
+        return Plan("follow", latest, status)
+    if status == "SUCCEEDED":
+        return Plan("done", latest, status)
+    return Plan("submit", f"{base_id}-r{number + 1}", status)
+
+
+def runtime_env(working_dir: Path | None, env: list[str], pip: list[str]) -> dict:
+    """The job's runtime environment: this checkout as working dir (it shadows the code installed in
+    the cluster image), extra environment variables and pip packages."""
+    out: dict = {}
+    if working_dir is not None:
+        out.update(working_dir=str(working_dir.resolve()), excludes=WORKING_DIR_EXCLUDES)
+    if env:
+        bad = [item for item in env if "=" not in item]
+        if bad:
+            raise ValueError(f"--env must look like KEY=VALUE, got {bad[0]!r}")
+        out["env_vars"] = dict(item.split("=", 1) for item in env)
+    if pip:
+        out["pip"] = list(pip)
+    return out
+
+
+def follow(client, submission_id: str) -> str:
+    """Stream the job's log to stdout until it ends; returns its final status."""
+    async def tail() -> None:
+        async for lines in client.tail_job_logs(submission_id):
+            sys.stdout.write(lines)
+            sys.stdout.flush()
+
+    asyncio.run(tail())
+    while (status := str(client.get_job_status(submission_id).value)) not in TERMINAL:
+        time.sleep(1)  # the log stream can close a moment before the status is final
+    return status
+
+
+def submit(ctx: typer.Context,
+           address: Optional[str] = typer.Option(None, help="Ray dashboard URL, e.g. http://HEAD:8265 "
+                                                 "(default: RAY_ADDRESS, else the local head)"),
+           submission_id: Optional[str] = typer.Option(None, help="stable job id (default: mdc-<run name>)"),
+           working_dir: Path = typer.Option(Path("."), help="uploaded as the job's working directory"),
+           no_upload: bool = typer.Option(False, "--no-upload",
+                                          help="upload nothing: run the code installed in the cluster image"),
+           env: List[str] = typer.Option([], help="KEY=VALUE environment variable for the job (repeatable)"),
+           pip: List[str] = typer.Option([], help="extra pip requirement for the job (repeatable)"),
+           no_wait: bool = typer.Option(False, "--no-wait", help="submit and exit without following the log")):
+    """Run `-- mdc train|scaling ...` as a Ray job on the cluster: idempotent by submission id, follows
+    its log, exits with its outcome."""
+    entrypoint = list(ctx.args)
+    if not entrypoint:
+        console.print("[red]error:[/red] give the command after --, e.g. mdc submit -- mdc train --name run-1")
+        raise typer.Exit(2)
+    upload = None if no_upload else working_dir
+    if submission_id is None:
+        name = run_name_of(entrypoint, upload)
+        if name is None:
+            console.print("[red]error:[/red] the command names no run (--name or a config with `name`): "
+                          "give --submission-id")
+            raise typer.Exit(2)
+        submission_id = default_submission_id(name)
+    try:
+        environment = runtime_env(upload, env, pip)
+    except ValueError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2)
+
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        client = JobSubmissionClient(address)
+        statuses = {job.submission_id: str(job.status.value)
+                    for job in client.list_jobs() if job.submission_id}
+    except ConnectionError as err:
+        console.print(f"[red]error:[/red] no Ray job server at {address or 'RAY_ADDRESS / local head'}: {err}")
+        raise typer.Exit(2)
+
+    plan = plan_submission(submission_id, statuses)
+    if plan.action == "done":
+        console.print(f"{plan.submission_id} already SUCCEEDED: nothing to do")
+        return
+    if plan.action == "follow":
+        console.print(f"{plan.submission_id} is {plan.status}: following it instead of submitting again")
+    else:
+        if plan.status:
+            console.print(f"{submission_id}: the last attempt {plan.status}; resubmitting as {plan.submission_id}")
+        client.submit_job(entrypoint=shlex.join(entrypoint), submission_id=plan.submission_id,
+                          runtime_env=environment, metadata={"mdc.submission": submission_id})
+        console.print(f"submitted {plan.submission_id}: {shlex.join(entrypoint)}")
+    if no_wait:
+        return
+    status = follow(client, plan.submission_id)
+    console.print(f"{plan.submission_id} {status}")
+    if status != "SUCCEEDED":
+        raise typer.Exit(1)

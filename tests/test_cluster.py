@@ -1,0 +1,229 @@
+"""The cluster definitions in cluster/: every YAML parses once its ${NAME} placeholders are rendered,
+has the fields KubeRay and the Ray cluster launcher require, and agrees with this repository —
+entrypoints name real `mdc` commands and options, config paths exist, Ray versions match."""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+import ray
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from mdc.config import load_config
+from pipelines.cli import app
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER = REPO / "cluster"
+KUBERAY = CLUSTER / "kuberay"
+DOCKERFILE = (CLUSTER / "Dockerfile").read_text()
+PLACEHOLDER = re.compile(r"\$\{([A-Z_][A-Z0-9_]*)\}")
+TEST_VALUES = {
+    "IMAGE": "registry.example.com/mdc:test", "KUBECTL_IMAGE": "registry.example.com/kubectl:test",
+    "BUCKET": "mdc-test-bucket", "DATA": "s3://mdc-test-data/cc3m", "PROBE_DATA": "s3://mdc-test-data/shapes",
+    "RUN_NAME": "vit-b16-test",
+    "MLFLOW_URI": "http://mlflow.example.com:5000", "GPU_INSTANCE_TYPE": "g5.xlarge", "GPU_WORKERS": "4",
+    "HEAD_INSTANCE_TYPE": "m5.2xlarge", "AWS_REGION": "us-west-2",
+}
+YAMLS = sorted(CLUSTER.rglob("*.yaml"))
+TEMPLATES = [p for p in YAMLS if PLACEHOLDER.search(p.read_text())]
+RAY_VERSION = re.search(r"^ARG RAY_VERSION=(\S+)$", DOCKERFILE, re.M).group(1)
+PROJECT_DIR = re.search(r"^WORKDIR (\S+)$", DOCKERFILE, re.M).group(1)  # where the image holds the repo
+SUBMISSION_MODES = {"K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode"}
+
+
+def render(text: str) -> str:
+    """What `cluster/render.sh` (envsubst) makes of a file, with TEST_VALUES as the environment."""
+    return PLACEHOLDER.sub(lambda m: TEST_VALUES[m.group(1)], text)
+
+
+def load(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(render(path.read_text())) if doc is not None]
+
+
+def by_kind(docs: list[dict]) -> dict[str, dict]:
+    return {doc["kind"]: doc for doc in docs}
+
+
+def scheduled_rayjob() -> dict:
+    """The RayJob that the scaling CronJob creates, from its ConfigMap."""
+    config_map = by_kind(load(KUBERAY / "scaling-cronjob.yaml"))["ConfigMap"]
+    return yaml.safe_load(config_map["data"]["rayjob.yaml"])
+
+
+def rayjobs() -> dict[str, dict]:
+    return {"rayjob-pretrain.yaml": by_kind(load(KUBERAY / "rayjob-pretrain.yaml"))["RayJob"],
+            "scaling-cronjob.yaml (ConfigMap)": scheduled_rayjob()}
+
+
+def repo_path(path: str) -> Path:
+    """A path as a cluster YAML gives it (inside the image, or relative to a working dir) → the repo."""
+    return REPO / path.removeprefix(PROJECT_DIR + "/") if path.startswith(PROJECT_DIR + "/") else REPO / path
+
+
+# ----------------------------------------------------------------------------------------- files
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: str(p.relative_to(CLUSTER)))
+def test_every_yaml_parses_after_rendering(path):
+    unknown = set(PLACEHOLDER.findall(path.read_text())) - set(TEST_VALUES)
+    assert not unknown, f"{path}: placeholders without a test value: {unknown}"
+    docs = load(path)
+    assert docs, f"{path}: no YAML documents"
+    assert "${" not in json.dumps(docs)
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: str(p.relative_to(CLUSTER)))
+def test_placeholders_are_listed_in_the_header(path):
+    lines = path.read_text().splitlines()
+    header = [line for line in lines if re.match(r"#\s+\$\{", line)]
+    documented = {PLACEHOLDER.search(line).group(1) for line in header}
+    used = {name for line in lines if not line.lstrip().startswith("#") for name in PLACEHOLDER.findall(line)}
+    assert used == documented, f"{path}: used {sorted(used)}, listed {sorted(documented)}"
+
+
+@pytest.mark.skipif(shutil.which("envsubst") is None, reason="envsubst (gettext-base) not installed")
+@pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: str(p.relative_to(CLUSTER)))
+def test_render_script_fills_placeholders_and_names_missing_ones(path):
+    env = {**os.environ, **TEST_VALUES}
+    out = subprocess.run([str(CLUSTER / "render.sh"), str(path)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == render(path.read_text())
+    del env["IMAGE"]
+    missing = subprocess.run([str(CLUSTER / "render.sh"), str(path)], env=env, capture_output=True, text=True)
+    assert missing.returncode == 2 and "IMAGE" in missing.stderr
+
+
+def test_dockerfile_copies_paths_that_exist_and_pins_the_ray_in_use():
+    for line in re.findall(r"^COPY (.+)$", DOCKERFILE, re.M):
+        *sources, _ = [arg for arg in line.split() if not arg.startswith("--")]
+        for source in sources:
+            assert (REPO / source).exists(), f"cluster/Dockerfile: COPY {source}: not in the repository"
+    assert RAY_VERSION == ray.__version__, "cluster/Dockerfile RAY_VERSION differs from the Ray installed here"
+
+
+# --------------------------------------------------------------------------------------- KubeRay
+
+def check_ray_cluster_spec(spec: dict, where: str) -> None:
+    """The RayClusterSpec fields KubeRay needs, one GPU worker group, the project image everywhere."""
+    assert str(spec["rayVersion"]) == RAY_VERSION, f"{where}: rayVersion != RAY_VERSION in cluster/Dockerfile"
+    groups = [("headGroupSpec", spec["headGroupSpec"])]
+    assert spec["workerGroupSpecs"], f"{where}: no workerGroupSpecs"
+    groups += [(f"workerGroupSpecs[{g['groupName']}]", g) for g in spec["workerGroupSpecs"]]
+    gpu_groups = []
+    for name, group in groups:
+        params = group["rayStartParams"]
+        assert isinstance(params, dict) and all(isinstance(v, str) for v in params.values()), \
+            f"{where}: {name}.rayStartParams must map to strings"
+        containers = group["template"]["spec"]["containers"]
+        assert containers, f"{where}: {name} has no containers"
+        for container in containers:
+            assert container["name"] and container["image"] == TEST_VALUES["IMAGE"], f"{where}: {name} image"
+            assert container["resources"]["limits"] and container["resources"]["requests"], \
+                f"{where}: {name} needs resources.limits and resources.requests"
+            if "nvidia.com/gpu" in container["resources"]["limits"]:
+                gpu_groups.append(name)
+                assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+        if name != "headGroupSpec":
+            counts = [group["minReplicas"], group["replicas"], group["maxReplicas"]]
+            assert all(isinstance(n, int) for n in counts) and counts == sorted(counts), \
+                f"{where}: {name}: minReplicas <= replicas <= maxReplicas, got {counts}"
+    assert gpu_groups and "headGroupSpec" not in gpu_groups, f"{where}: GPUs belong to a worker group"
+
+
+def test_raycluster_has_cpu_head_and_gpu_workers():
+    cluster = by_kind(load(KUBERAY / "raycluster.yaml"))["RayCluster"]
+    assert cluster["apiVersion"] == "ray.io/v1" and cluster["metadata"]["name"]
+    check_ray_cluster_spec(cluster["spec"], "raycluster.yaml")
+
+
+@pytest.mark.parametrize("where", list(rayjobs()))
+def test_rayjobs_submit_an_entrypoint_to_their_own_cluster(where):
+    job = rayjobs()[where]
+    assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
+    assert job["metadata"].get("name") or job["metadata"].get("generateName"), f"{where}: metadata.name"
+    spec = job["spec"]
+    assert isinstance(spec["entrypoint"], str) and spec["entrypoint"].startswith("mdc ")
+    assert spec["submissionMode"] in SUBMISSION_MODES
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] >= 0
+    check_ray_cluster_spec(spec["rayClusterSpec"], where)
+
+
+def test_cronjob_creates_the_rayjob_with_just_enough_rights():
+    docs = by_kind(load(KUBERAY / "scaling-cronjob.yaml"))
+    assert set(docs) == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "CronJob"}
+    cron = docs["CronJob"]
+    assert cron["apiVersion"] == "batch/v1" and len(cron["spec"]["schedule"].split()) == 5
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    account = docs["ServiceAccount"]["metadata"]["name"]
+    assert pod["serviceAccountName"] == account
+    binding = docs["RoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    assert binding["roleRef"]["name"] == docs["Role"]["metadata"]["name"]
+    assert {"apiGroups": ["ray.io"], "resources": ["rayjobs"], "verbs": ["create"]} in docs["Role"]["rules"]
+    [container] = pod["containers"]
+    assert container["image"] == TEST_VALUES["KUBECTL_IMAGE"]
+    command = container["command"]
+    assert command[:3] == ["kubectl", "create", "-f"]
+    [mount] = container["volumeMounts"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["configMap"]["name"] == docs["ConfigMap"]["metadata"]["name"]
+    assert command[3] == f"{mount['mountPath']}/rayjob.yaml" and "rayjob.yaml" in docs["ConfigMap"]["data"]
+    # weekly schedule ("m h * * weekday"); a run is cut off before the next one starts
+    assert cron["spec"]["schedule"].split()[2:4] == ["*", "*"]
+    assert scheduled_rayjob()["spec"]["activeDeadlineSeconds"] < 7 * 24 * 3600
+
+
+# ------------------------------------------------------------------------------ cluster launcher
+
+def test_aws_cluster_launcher_config_matches_rays_schema():
+    [config] = load(CLUSTER / "aws" / "cluster.yaml")
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    jsonschema.validate(config, schema)
+    assert config["provider"]["type"] == "aws" and config["provider"]["region"] == TEST_VALUES["AWS_REGION"]
+    types = config["available_node_types"]
+    assert config["head_node_type"] in types
+    assert isinstance(config["max_workers"], int)
+    [gpu] = [t for name, t in types.items() if name != config["head_node_type"]]
+    assert gpu["node_config"]["InstanceType"] == TEST_VALUES["GPU_INSTANCE_TYPE"]
+    assert gpu["max_workers"] <= config["max_workers"]
+    assert config["docker"]["image"] == TEST_VALUES["IMAGE"]
+
+
+# -------------------------------------------------------------------------- agreement with the CLI
+
+def cli_options(command: str) -> set[str]:
+    click_command = typer.main.get_command(app).commands[command]
+    return {opt for param in click_command.params for opt in param.opts + param.secondary_opts}
+
+
+@pytest.mark.parametrize("where", list(rayjobs()))
+def test_entrypoints_name_real_commands_options_and_fields(where):
+    tokens = shlex.split(rayjobs()[where]["spec"]["entrypoint"])
+    assert tokens[0] == "mdc"
+    command = tokens[1]
+    help_result = CliRunner().invoke(app, [command, "--help"])
+    assert help_result.exit_code == 0, f"{where}: `mdc {command}` is not a command"
+    options = cli_options(command)
+    for token in tokens[2:]:
+        if token.startswith("--"):
+            assert token.split("=", 1)[0] in options, f"{where}: `mdc {command}` has no option {token}"
+    config = repo_path(tokens[tokens.index("--config") + 1])
+    assert config.is_file(), f"{where}: --config {config} is not in the repository"
+    overrides = [t for t in tokens[2:] if "=" in t and not t.startswith("-")]
+    load_config(config, overrides)  # every override names a real config field with a valid value
+
+
+def test_every_config_path_in_cluster_files_exists():
+    for path in [*YAMLS, CLUSTER / "Dockerfile"]:
+        for config in re.findall(r"--config[ =](\S+)", path.read_text()):
+            assert repo_path(config).is_file(), f"{path}: --config {config} is not in the repository"
+    for config in CLUSTER.glob("configs/*.yaml"):
+        load_config(config)

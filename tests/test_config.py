@@ -1,0 +1,80 @@
+import pytest
+
+from mdc.config import ConfigError, RunConfig, build_config, dump_config, load_config
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert cfg == RunConfig()
+    assert cfg.objective.name == "mdc"
+    assert (cfg.objective.omega_l, cfg.objective.omega_u) == (0.5, 1.0)
+    assert cfg.model.preset == "tiny"
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("name: sweep-a\nobjective:\n  name: cmlm\n  omega_l: 0.2\ntrain:\n  batch_size: 8\n")
+    cfg = load_config(path, ["objective.omega_l=0.7", "train.steps=5", "model.time_conditioning=true",
+                             "data.val_uri=null"])
+    assert cfg.name == "sweep-a"
+    assert cfg.objective.name == "cmlm"
+    assert cfg.objective.omega_l == 0.7  # the override beats the file
+    assert cfg.train.batch_size == 8
+    assert cfg.train.steps == 5
+    assert cfg.model.time_conditioning is True
+    assert cfg.data.val_uri is None
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(None, ["objective.name=bert", "objective.mask_ratio=0.5"])
+    path = tmp_path / "dumped.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+
+
+def test_schedule_order_is_checked():
+    with pytest.raises(ConfigError, match="omega_l must be < omega_u, got 0.7 >= 0.5"):
+        load_config(None, ["objective.omega_l=0.7", "objective.omega_u=0.5"])
+
+
+@pytest.mark.parametrize("override, field", [
+    ("model.foo=1", "model.foo"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("objective.omega_u=1.5", "objective.omega_u"),
+    ("objective.name=gan", "objective.name"),
+    ("model.preset=vit_h14", "model.preset"),
+])
+def test_bad_values_name_the_field(override, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert f"{field}:" in str(err.value)
+
+
+def test_unknown_field_is_called_unknown():
+    with pytest.raises(ConfigError, match="model.foo: unknown field"):
+        build_config({"model": {"foo": 1}})
+
+
+def test_override_needs_an_equals_sign():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["train.steps"])
+
+
+def test_override_cannot_descend_into_a_value(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("name: sweep-a\n")
+    with pytest.raises(ConfigError, match="'name' is not a section"):
+        load_config(path, ["name.x=1"])
+
+
+def test_missing_file_names_the_path(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=f"config file not found: {path}"):
+        load_config(path)
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(path)

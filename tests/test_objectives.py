@@ -1,0 +1,234 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import mdc.objectives as objectives
+from mdc.config import ObjectiveConfig
+from mdc.objectives import (autoregressive_io, autoregressive_loss, compute_loss, mask_tokens,
+                            masked_diffusion_loss, sample_t)
+
+# A toy vocabulary: words 0..3, then the special ids.
+BOS, EOS, MASK, PAD = 4, 5, 6, 7
+VOCAB = 8
+
+
+class StubModel(nn.Module):
+    """Returns fixed logits (a (B, L, V) table, or an (L, V) one shared by every row) and records
+    what the objective fed it."""
+
+    mask_id, pad_id, bos_id, eos_id = MASK, PAD, BOS, EOS
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = table
+        self.calls = []
+
+    def forward(self, images, tokens, t=None, causal=False, where=None):
+        self.calls.append({"tokens": tokens.clone(), "t": t, "causal": causal, "where": where})
+        b, n = tokens.shape
+        table = self.table if self.table.ndim == 3 else self.table.expand(b, *self.table.shape)
+        return table[:, :n] if where is None else table[:, :n][where]
+
+
+def nll(logits: torch.Tensor, target: int) -> float:
+    """−log softmax(logits)[target], in plain Python."""
+    values = logits.tolist()
+    return -(values[target] - math.log(sum(math.exp(v) for v in values)))
+
+
+def random_table(*shape, seed=0):
+    return torch.randn(*shape, VOCAB, generator=torch.Generator().manual_seed(seed))
+
+
+TOKENS = torch.tensor([[0, 1, 2, 3, 1],
+                       [2, 2, 0, PAD, PAD],
+                       [3, 1, PAD, PAD, PAD]])
+T = torch.tensor([0.5, 0.8, 0.25])
+MASKED = torch.tensor([[True, False, True, True, False],
+                       [False, True, False, False, False],
+                       [True, True, False, False, False]])
+
+
+@pytest.fixture
+def fixed_draws(monkeypatch):
+    """t and the mask as chosen above, whatever the objective would have drawn."""
+    monkeypatch.setattr(objectives, "sample_t", lambda n, *args, **kwargs: T.clone())
+    monkeypatch.setattr(objectives, "mask_tokens",
+                        lambda tokens, t, mask_id, pad_id, generator=None:
+                        (torch.where(MASKED, mask_id, tokens), MASKED.clone()))
+
+
+def test_mdc_loss_is_inverse_t_weighted_and_normalised_by_real_tokens(fixed_draws):
+    table = random_table(3, 5)
+    model = StubModel(table)
+    loss, metrics = masked_diffusion_loss(model, None, TOKENS, "mdc")
+    expected = sum(nll(table[b, i], int(TOKENS[b, i])) / float(T[b])
+                   for b in range(3) for i in range(5) if MASKED[b, i]) / 10  # 10 non-pad tokens
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert metrics["masked_fraction"].item() == pytest.approx(6 / 10)
+    call = model.calls[0]
+    assert torch.equal(call["tokens"], torch.where(MASKED, MASK, TOKENS))
+    assert torch.equal(call["t"], T) and call["causal"] is False
+    assert torch.equal(call["where"], MASKED)  # only the scored positions are projected
+
+
+@pytest.mark.parametrize("kind", ["cmlm", "bert"])
+def test_cmlm_and_bert_are_mean_cross_entropy_over_masked(fixed_draws, kind):
+    table = random_table(3, 5)
+    loss, _ = masked_diffusion_loss(StubModel(table), None, TOKENS, kind, mask_ratio=0.25)
+    terms = [nll(table[b, i], int(TOKENS[b, i])) for b in range(3) for i in range(5) if MASKED[b, i]]
+    assert loss.item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+
+
+def test_bert_uses_the_fixed_ratio(monkeypatch):
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("bert must not sample t")
+
+    monkeypatch.setattr(objectives, "sample_t", no_sampling)
+    tokens = torch.randint(0, 4, (500, 40), generator=torch.Generator().manual_seed(1))
+    model = StubModel(random_table(40))
+    _, metrics = masked_diffusion_loss(model, None, tokens, "bert", mask_ratio=0.25,
+                                       generator=torch.Generator().manual_seed(2))
+    assert torch.equal(model.calls[0]["t"], torch.full((500,), 0.25))
+    assert abs(metrics["masked_fraction"].item() - 0.25) < 0.01
+
+
+def test_pads_are_never_masked_nor_counted():
+    tokens = TOKENS.repeat(50, 1)
+    real = tokens != PAD
+    noisy, masked = mask_tokens(tokens, torch.ones(len(tokens)), MASK, PAD)
+    assert torch.equal(masked, real)
+    assert torch.equal(noisy, torch.where(real, MASK, PAD))
+
+    table = random_table(150, 5)
+    loud = table.clone()
+    loud[~real] = 100.0 * torch.randn(int((~real).sum()), VOCAB)  # wild logits at pad positions
+    for kind in ("mdc", "cmlm"):
+        losses = [masked_diffusion_loss(StubModel(tab), None, tokens, kind,
+                                        generator=torch.Generator().manual_seed(3))[0]
+                  for tab in (table, loud)]
+        assert losses[0].item() == losses[1].item()
+
+
+def test_mdc_loss_end_to_end_with_drawn_t_and_mask():
+    """No patching: the loss must agree with what the model was actually fed."""
+    tokens = TOKENS.repeat(4, 1)
+    table = random_table(12, 5)
+    model = StubModel(table)
+    loss, _ = masked_diffusion_loss(model, None, tokens, "mdc", 0.3, 0.9,
+                                    generator=torch.Generator().manual_seed(4))
+    fed, t = model.calls[0]["tokens"], model.calls[0]["t"]
+    masked = fed == MASK
+    assert ((t >= 0.3) & (t < 0.9)).all()
+    assert not (masked & (tokens == PAD)).any()
+    expected = sum(nll(table[b, i], int(tokens[b, i])) / float(t[b])
+                   for b in range(12) for i in range(5) if masked[b, i]) / int((tokens != PAD).sum())
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_masking_rate_matches_t():
+    tokens = torch.zeros(2000, 20, dtype=torch.long)
+    t = torch.tensor([0.2, 0.7]).repeat(1000)
+    _, masked = mask_tokens(tokens, t, MASK, PAD, generator=torch.Generator().manual_seed(5))
+    for value in (0.2, 0.7):
+        rate = masked[t == value].float().mean().item()  # 20k tokens each
+        assert abs(rate - value) < 0.01
+
+
+def test_a_row_with_nothing_masked_gets_one_forced_mask():
+    lengths = torch.tensor([1, 3, 5, 0]).repeat(1000)
+    tokens = torch.where(torch.arange(5) < lengths[:, None], 2, PAD)
+    noisy, masked = mask_tokens(tokens, torch.zeros(len(tokens)), MASK, PAD,
+                                generator=torch.Generator().manual_seed(6))
+    assert torch.equal(masked.sum(1), (lengths > 0).long())
+    assert not (masked & (tokens == PAD)).any()
+    assert torch.equal(noisy == MASK, masked)
+    # the forced position is uniform over the real tokens
+    counts = masked[lengths == 5].sum(0)
+    assert ((counts - 200).abs() < 60).all(), counts
+
+
+@pytest.mark.parametrize("n, lo, hi", [(8, 0.5, 1.0), (5, 0.0, 1.0), (3, 0.2, 0.4)])
+def test_antithetic_t_falls_one_per_stratum(n, lo, hi):
+    for seed in range(20):
+        t = sample_t(n, lo, hi, antithetic=True, generator=torch.Generator().manual_seed(seed))
+        stratum = torch.floor((t - lo) / (hi - lo) * n).long()
+        assert torch.equal(stratum, torch.arange(n))
+
+
+def test_plain_t_is_uniform_in_the_interval():
+    t = sample_t(20000, 0.5, 1.0, antithetic=False, generator=torch.Generator().manual_seed(7))
+    assert ((t >= 0.5) & (t < 1.0)).all()
+    assert abs(t.mean().item() - 0.75) < 0.01
+    assert abs(t.var().item() - 0.25 ** 2 / 3) < 0.002
+
+
+def test_autoregressive_io_shifts_right_and_appends_eos():
+    tokens = torch.tensor([[0, 1, 2, PAD, PAD],
+                           [3, PAD, PAD, PAD, PAD],
+                           [0, 1, 2, 3, 0]])
+    inputs, targets = autoregressive_io(tokens, BOS, EOS, PAD)
+    assert inputs.tolist() == [[BOS, 0, 1, 2, PAD, PAD],
+                               [BOS, 3, PAD, PAD, PAD, PAD],
+                               [BOS, 0, 1, 2, 3, 0]]
+    assert targets.tolist() == [[0, 1, 2, EOS, PAD, PAD],
+                                [3, EOS, PAD, PAD, PAD, PAD],
+                                [0, 1, 2, 3, 0, EOS]]
+
+
+def test_cap_loss_is_mean_cross_entropy_over_targets():
+    tokens = torch.tensor([[0, 1, 2, PAD], [3, 3, PAD, PAD]])
+    table = random_table(2, 5)
+    model = StubModel(table)
+    loss, metrics = autoregressive_loss(model, None, tokens)
+    _, targets = autoregressive_io(tokens, BOS, EOS, PAD)
+    terms = [nll(table[b, i], int(targets[b, i])) for b in range(2) for i in range(5) if targets[b, i] != PAD]
+    assert len(terms) == 4 + 3
+    assert loss.item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+    assert metrics["parallel_fraction"].item() == 0.0
+    call = model.calls[0]
+    assert call["causal"].tolist() == [True, True]
+    assert call["tokens"].tolist() == [[BOS, 0, 1, 2, PAD], [BOS, 3, 3, PAD, PAD]]
+    assert torch.equal(call["where"], targets != PAD)
+
+
+def test_cappa_parallel_rows_are_all_mask_and_bidirectional():
+    lengths = torch.randint(1, 7, (4000,), generator=torch.Generator().manual_seed(8))
+    tokens = torch.where(torch.arange(6) < lengths[:, None], 1, PAD)
+    model = StubModel(random_table(7))
+    _, metrics = autoregressive_loss(model, None, tokens, parallel_prob=0.75,
+                                     generator=torch.Generator().manual_seed(9))
+    fed, causal = model.calls[0]["tokens"], model.calls[0]["causal"]
+    parallel = ~causal
+    assert abs(parallel.float().mean().item() - 0.75) < 0.02
+    assert metrics["parallel_fraction"].item() == pytest.approx(parallel.float().mean().item())
+    inputs, _ = autoregressive_io(tokens, BOS, EOS, PAD)
+    assert torch.equal(fed[causal], inputs[causal])
+    expected_parallel = torch.where(inputs == PAD, PAD, MASK)[parallel]
+    assert torch.equal(fed[parallel], expected_parallel)
+
+
+@pytest.mark.parametrize("name, parallel_share", [("ar", 0.0), ("cappa", 1.0)])
+def test_compute_loss_dispatches_autoregressive(name, parallel_share):
+    model = StubModel(random_table(4))
+    tokens = torch.tensor([[0, 1, PAD]] * 10)
+    compute_loss(model, None, tokens, ObjectiveConfig(name=name, parallel_prob=1.0))
+    assert (~model.calls[0]["causal"]).float().mean().item() == parallel_share
+
+
+@pytest.mark.parametrize("name", ["mdc", "cmlm", "bert"])
+def test_compute_loss_dispatches_masked_diffusion(name):
+    model = StubModel(random_table(3))
+    tokens = torch.tensor([[0, 1, 2]] * 16)
+    objective = ObjectiveConfig(name=name, omega_l=0.6, omega_u=0.8, mask_ratio=0.4)
+    compute_loss(model, None, tokens, objective, generator=torch.Generator().manual_seed(10))
+    t, causal = model.calls[0]["t"], model.calls[0]["causal"]
+    assert causal is False
+    if name == "bert":
+        assert (t == 0.4).all()
+    else:
+        assert ((t >= 0.6) & (t < 0.8)).all()
+        strata = torch.floor((t - 0.6) / 0.2 * 16).long()
+        assert torch.equal(strata, torch.arange(16))  # antithetic is on by default

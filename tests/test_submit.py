@@ -1,0 +1,163 @@
+"""`mdc submit` against a real Ray head started here (`ray start --head`, its own ports and temp dir,
+so it never meets the test session's in-process Ray): a tiny training job is followed to success,
+and submitting the same command again starts nothing; failed and running jobs are handled by id."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
+
+from mdc.datasets.shapes import write_shapes_dataset
+from pipelines.cli import app
+from pipelines.submit import Plan, default_submission_id, plan_submission, run_name_of, runtime_env
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent  # the venv's bin: ray, mdc
+PORT_FLAGS = ("port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+              "ray-client-server-port", "metrics-export-port", "runtime-env-agent-port", "node-manager-port",
+              "object-manager-port")
+
+
+def test_plan_follows_reports_or_resubmits():
+    assert plan_submission("mdc-a", {}) == Plan("submit", "mdc-a")
+    assert plan_submission("mdc-a", {"mdc-ab": "FAILED"}) == Plan("submit", "mdc-a")
+    assert plan_submission("mdc-a", {"mdc-a": "RUNNING"}) == Plan("follow", "mdc-a", "RUNNING")
+    assert plan_submission("mdc-a", {"mdc-a": "SUCCEEDED"}) == Plan("done", "mdc-a", "SUCCEEDED")
+    assert plan_submission("mdc-a", {"mdc-a": "FAILED"}) == Plan("submit", "mdc-a-r1", "FAILED")
+    later = {"mdc-a": "FAILED", "mdc-a-r1": "STOPPED", "mdc-a-r2": "PENDING"}
+    assert plan_submission("mdc-a", later) == Plan("follow", "mdc-a-r2", "PENDING")
+    later["mdc-a-r2"] = "FAILED"
+    later["mdc-a-r10"] = "FAILED"
+    assert plan_submission("mdc-a", later) == Plan("submit", "mdc-a-r11", "FAILED")
+
+
+def test_submission_id_comes_from_the_run_name(tmp_path):
+    (tmp_path / "c.yaml").write_text("name: from-config\n")
+    assert run_name_of(["mdc", "train", "--name", "run-1"], None) == "run-1"
+    assert run_name_of(["mdc", "train", "--name=run-2"], None) == "run-2"
+    assert run_name_of(["mdc", "train", "--config", "c.yaml", "name=run-3"], tmp_path) == "run-3"
+    assert run_name_of(["mdc", "train", "--config", "c.yaml"], tmp_path) == "from-config"
+    assert run_name_of(["mdc", "train", "--config", str(tmp_path / "c.yaml")], REPO) == "from-config"
+    assert run_name_of(["python", "x.py"], tmp_path) is None
+    assert default_submission_id("vit b/16") == "mdc-vit-b-16"
+
+
+def test_runtime_env_uploads_the_checkout_without_local_state():
+    env = runtime_env(REPO, ["A=1", "B=x=y"], ["tqdm"])
+    assert env["working_dir"] == str(REPO) and ".venv" in env["excludes"]
+    assert env["env_vars"] == {"A": "1", "B": "x=y"} and env["pip"] == ["tqdm"]
+    assert runtime_env(None, [], []) == {}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        runtime_env(None, ["A"], [])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A Ray head in its own process group on free ports, whose jobs find `mdc` on PATH; yields the
+    dashboard URL. Stopped by killing that group only (never `ray stop`, which would end every Ray
+    instance of this user)."""
+    temp_dir = tempfile.mkdtemp(prefix="mdc-", dir="/tmp")  # short: Ray's socket paths have a limit
+    ports = {flag: _free_port() for flag in PORT_FLAGS}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="disabled", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    log = open(Path(temp_dir, "head.log"), "w")
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=true",
+         "--dashboard-host=127.0.0.1", "--object-store-memory=300000000", "--disable-usage-stats",
+         f"--temp-dir={temp_dir}", *[f"--{flag}={port}" for flag, port in ports.items()]],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{ports['dashboard-port']}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/version", timeout=2).read()
+                break
+            except OSError:
+                if head.poll() is not None or time.monotonic() > deadline:
+                    log.flush()
+                    raise RuntimeError("Ray head did not start:\n" + Path(log.name).read_text()[-3000:])
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(head.pid, signal.SIGKILL)  # a throwaway cluster: no graceful shutdown needed
+        head.wait(timeout=5)
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def mdc_submit(url: str, *args: str):
+    """`mdc submit` in this process: it only talks HTTP to the head, it never joins the cluster."""
+    result = CliRunner().invoke(app, ["submit", "--address", url, "--working-dir", str(REPO), *args])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def jobs(url: str) -> dict[str, str]:
+    from ray.job_submission import JobSubmissionClient
+
+    return {j.submission_id: str(j.status.value) for j in JobSubmissionClient(url).list_jobs()}
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(360)
+def test_submit_follows_training_and_is_idempotent(ray_head, tmp_path):
+    url = ray_head
+    write_shapes_dataset(str(tmp_path / "shapes"), num=120, seed=0, samples_per_shard=60)
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    train = ["mdc", "train", "--config", "configs/demo.yaml", "--data", str(tmp_path / "shapes" / "train"),
+             "--storage", str(tmp_path / "ckpt"), "--mlflow-uri", mlflow_uri, "--name", "submitted",
+             "data.val_uri=null", "data.max_length=16", "train.batch_size=8", "train.num_workers=1",
+             "train.cpus_per_worker=0.5", "train.steps=6", "train.checkpoint_every=3", "train.log_every=3",
+             "optim.warmup_steps=2"]
+
+    first = mdc_submit(url, "--", *train)
+    assert first.exit_code == 0, first.output[-4000:]
+    assert "[mdc] step 6/6" in first.stdout  # the job's log was followed
+    assert "mdc-submitted SUCCEEDED" in first.stderr
+    assert jobs(url) == {"mdc-submitted": "SUCCEEDED"}
+
+    again = mdc_submit(url, "--", *train)
+    assert again.exit_code == 0, again.stderr
+    assert "already SUCCEEDED" in again.stderr
+    assert jobs(url) == {"mdc-submitted": "SUCCEEDED"}  # no second job
+    client = MlflowClient(mlflow_uri)
+    [run] = client.search_runs([client.get_experiment_by_name("mdc").experiment_id])
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert sorted(steps) == list(range(1, 7))  # one pass over steps 1..6, never restarted
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_failed_job_is_resubmitted_and_running_job_followed(ray_head):
+    url = ray_head
+    failing = ["--submission-id", "broken", "--", "python", "-c", "import sys; sys.exit(3)"]
+    assert mdc_submit(url, *failing).exit_code == 1
+    retry = mdc_submit(url, *failing)
+    assert retry.exit_code == 1 and "resubmitting as broken-r1" in retry.stderr
+    assert {k: v for k, v in jobs(url).items() if k.startswith("broken")} == {"broken": "FAILED",
+                                                                               "broken-r1": "FAILED"}
+
+    sleeper = ["--submission-id", "sleeper", "--", "python", "-c", "import time; time.sleep(8); print('woke')"]
+    assert mdc_submit(url, "--no-wait", *sleeper).exit_code == 0
+    follow = mdc_submit(url, *sleeper)
+    assert follow.exit_code == 0, follow.stderr
+    assert "following it instead of submitting again" in follow.stderr and "woke" in follow.stdout
+    assert [k for k in jobs(url) if k.startswith("sleeper")] == ["sleeper"]
