@@ -26,7 +26,9 @@ COSINE_OFFSET = 0.008  # s of the cosine schedule: keeps ᾱ_t from dropping too
 
 def alpha_bar(t: torch.Tensor) -> torch.Tensor:
     """ᾱ_t = f(t)/f(0), f(t) = cos²((t + s)/(1 + s)·π/2): 1 at t = 0, 0 at t = 1."""
-    f = lambda x: torch.cos((x + COSINE_OFFSET) / (1 + COSINE_OFFSET) * math.pi / 2) ** 2  # noqa: E731
+    def f(x):
+        return torch.cos((x + COSINE_OFFSET) / (1 + COSINE_OFFSET) * math.pi / 2) ** 2
+
     return (f(t.float()) / f(torch.zeros((), device=t.device))).clamp(0.0, 1.0)
 
 
@@ -68,7 +70,7 @@ def continuous_diffusion_loss(model, images, tokens, generator=None):
     return mse + rounding, {"mse": mse.detach(), "rounding_ce": rounding.detach()}
 
 
-def placeholder_tokens(model, batch_size: int, length: int, device) -> torch.Tensor:
+def placeholder_tokens(batch_size: int, length: int, device) -> torch.Tensor:
     """Token ids standing for the positions being generated: never embedded (inputs come from x_t),
     only told apart from pad, so any ordinary id (0) does."""
     return torch.zeros(batch_size, length, dtype=torch.long, device=device)
@@ -81,7 +83,7 @@ def sample_continuous(model, images: torch.Tensor, length: int, steps: int = 5,
     level of an even grid from t = 1 to 0, then argmax rounding of the last x̂0."""
     b, device = images.shape[0], images.device
     image_kv = model.image_keys_values(model.encode(images))
-    tokens = placeholder_tokens(model, b, length, device)
+    tokens = placeholder_tokens(b, length, device)
     x = torch.randn(b, length, model.dim, generator=generator, device=device)
     levels = torch.linspace(1.0, 0.0, steps + 1, device=device)
     for i in range(steps):

@@ -95,7 +95,7 @@ def markdown_table(rows: Sequence[Row]) -> str:
 
 
 def html_table(rows: Sequence[Row], title: str) -> str:
-    head = "".join(f"<th>{html.escape(title)}</th>" for title, _ in COLUMNS.values())
+    head = "".join(f"<th>{html.escape(column)}</th>" for column, _ in COLUMNS.values())
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row.cells()) + "</tr>" for row in rows)
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title><style>"
             "body{font-family:sans-serif}td,th{padding:4px 10px;border-bottom:1px solid #ddd;text-align:right}"

@@ -15,7 +15,7 @@ from mdc.continuous_diffusion import alpha_bar, continuous_diffusion_loss, sampl
 from mdc.evaluation import compositionality as comp
 from mdc.evaluation.captioning import CaptionImage, generate_captions
 from mdc.evaluation.infilling import evaluate_infilling, mask_span
-from mdc.model import Captioner, build_model
+from mdc.model import build_model
 from mdc.objectives import compute_loss
 from mdc.sampling import sample_masked
 from mdc.tokenizer import CaptionTokenizer
