@@ -122,11 +122,13 @@ def log_evaluation(tracking_uri: str, metrics: dict, artifacts: list[Path], run_
 
     from pipelines import tracking
 
-    client = MlflowClient(tracking.absolute_tracking_uri(tracking_uri))
+    tracking_uri = tracking.absolute_tracking_uri(tracking_uri)
+    client = MlflowClient(tracking_uri)
     created = run_id is None
     if created:
         experiment = client.get_experiment_by_name(EVAL_EXPERIMENT)
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(EVAL_EXPERIMENT)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(
+            EVAL_EXPERIMENT, artifact_location=tracking.artifact_location(tracking_uri))
         run_id = client.create_run(experiment_id, run_name=run_name).info.run_id
         client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in (params or {}).items()])
     now = int(time.time() * 1000)
