@@ -93,7 +93,8 @@ def results_rows(results: tune.ResultGrid, space: SearchSpace) -> list[dict]:
     for result in results:
         metrics = result.metrics or {}
         point = (result.config or {}).get("point", {})
-        rows.append({**{k: v for k, v in point.items() if k not in space.base},
+        rows.append({"trial_id": metrics.get("trial_id", ""),
+                     **{k: v for k, v in point.items() if k not in space.base},
                      "iterations": metrics.get("training_iteration", 0),
                      "stopped_early": not metrics.get("trial_completed", False) and result.error is None,
                      space.metric: metrics.get(space.metric), space.rank_by: metrics.get(space.rank_by),
@@ -119,7 +120,7 @@ def write_artifacts(rows: list[dict], space: SearchSpace, directory: Path) -> li
     table += ["| " + " | ".join(_fmt(r[c]) for c in columns) + " |" for r in rows]
     (directory / "results.md").write_text("\n".join(table) + "\n")
 
-    x_key = next(k for k in columns if k not in ("iterations",))
+    x_key = next(k for k in columns if k not in ("trial_id", "iterations"))
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for ax, metric in zip(axes, (space.rank_by, space.metric)):
         points = [(r[x_key], r[metric]) for r in rows if r[metric] is not None]
@@ -139,6 +140,17 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def mark_stopped_trials(client: MlflowClient, parent_run_id: str, sweep: str, rows: list[dict]) -> None:
+    """A trial the scheduler stopped is KILLED in MLflow. Its driver may have been killed before
+    closing the run (left RUNNING) or seen its trainer torn down first (closed it as FAILED)."""
+    stopped = {f"{sweep}-{r['trial_id']}" for r in rows if r["stopped_early"]}
+    for child in client.search_runs([client.get_run(parent_run_id).info.experiment_id],
+                                    filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'"):
+        name = child.data.tags.get(tracking.RUN_NAME_TAG)
+        if child.info.status == "RUNNING" or (child.info.status == "FAILED" and name in stopped):
+            client.set_terminated(child.info.run_id, status="KILLED")
+
+
 def run_sweep(space: SearchSpace, base_cfg: RunConfig, num_samples: int | None = None,
               max_concurrent: int = 1) -> SweepSummary:
     mlflow_uri = tracking.absolute_tracking_uri(base_cfg.mlflow_uri)
@@ -149,10 +161,7 @@ def run_sweep(space: SearchSpace, base_cfg: RunConfig, num_samples: int | None =
     results = build_tuner(space, base_cfg, parent, num_samples, max_concurrent).fit()
     rows = results_rows(results, space)
     client = MlflowClient(mlflow_uri)
-    for child in client.search_runs([client.get_run(parent).info.experiment_id],
-                                    filter_string=f"tags.mlflow.parentRunId = '{parent}'"):
-        if child.info.status == "RUNNING":  # stopped by ASHA mid-training
-            client.set_terminated(child.info.run_id, status="KILLED")
+    mark_stopped_trials(client, parent, f"{base_cfg.name}-{space.name}", rows)
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_artifacts(rows, space, Path(tmp)) if rows else []
         (Path(tmp) / "space.yaml").write_text(yaml.safe_dump(space.model_dump(), sort_keys=False))

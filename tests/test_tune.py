@@ -74,6 +74,24 @@ def test_shipped_spaces_load():
         load_space(f"tune_spaces/{name}.yaml", RunConfig())
 
 
+def test_stopped_trials_are_killed_and_errored_ones_stay_failed(tmp_path):
+    from pipelines import tracking
+    from pipelines.tune import mark_stopped_trials
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    parent = tracking.get_or_create_run(uri, "e", "sweep-s", {})
+    runs = {name: tracking.get_or_create_run(uri, "e", f"s-{name}", {}, parent) for name in ("a", "b", "c", "d")}
+    tracking.finish_run(uri, runs["b"], "FAILED")  # stopped by ASHA while its trainer was torn down
+    tracking.finish_run(uri, runs["c"], "FAILED")  # a real error
+    tracking.finish_run(uri, runs["d"])
+    rows = [{"trial_id": "a", "stopped_early": True}, {"trial_id": "b", "stopped_early": True},
+            {"trial_id": "c", "stopped_early": False}, {"trial_id": "d", "stopped_early": False}]
+    mark_stopped_trials(client, parent, "s", rows)
+    status = {name: client.get_run(run_id).info.status for name, run_id in runs.items()}
+    assert status == {"a": "KILLED", "b": "KILLED", "c": "FAILED", "d": "FINISHED"}
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path):
@@ -98,7 +116,8 @@ def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path):
     assert sum(r["stopped_early"] for r in summary.rows) >= 1
     finished = [c for c in children if "probe_accuracy" in c.data.metrics]
     assert finished and all(0.0 <= c.data.metrics["probe_accuracy"] <= 1.0 for c in finished)
-    assert all(c.info.status in ("FINISHED", "KILLED") for c in children)
+    assert all(c.info.status in ("FINISHED", "KILLED") for c in children), (
+        [(c.data.tags.get("mdc.run_name"), c.info.status) for c in children], summary.rows)
     artifacts = {a.path for a in client.list_artifacts(summary.parent_run_id)}
     assert {"results.csv", "results.md", "sweep.png"} <= artifacts
     assert summary.best is not None and summary.best["optim.lr"] == 0.002
