@@ -1,5 +1,5 @@
 """Dataset scaling: nested subsets of the requested sizes, and `mdc scaling` end to end on the local
-Ray — three sizes trained and probed under one MLflow parent, and a rerun that trains nothing."""
+Ray — two sizes trained and probed under one MLflow parent, and a rerun that trains nothing."""
 
 import json
 import math
@@ -72,7 +72,7 @@ def _children(client, parent):
 @pytest.mark.timeout(420)
 def test_scaling_curve_under_one_parent_and_rerun_trains_nothing(ray_cluster, shapes_dir, tmp_path):
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    args = ["scaling", "--sizes", "60,120,200", "--data", str(shapes_dir / "train"), "--name", "tiny",
+    args = ["scaling", "--sizes", "60,200", "--data", str(shapes_dir / "train"), "--name", "tiny",
             "--storage", str(tmp_path / "ckpt"), "--mlflow-uri", mlflow_uri,
             "data.val_uri=null", "data.max_length=16", "train.batch_size=8", "train.num_workers=1",
             "train.cpus_per_worker=0.5", "train.steps=6", "train.checkpoint_every=6", "train.log_every=3",
@@ -85,26 +85,26 @@ def test_scaling_curve_under_one_parent_and_rerun_trains_nothing(ray_cluster, sh
                                   "tags.`mdc.run_name` = 'tiny'")
     assert parent.info.status == "FINISHED"
     children = _children(client, parent)
-    assert sorted(children) == ["tiny-120", "tiny-200", "tiny-60"]
+    assert sorted(children) == ["tiny-200", "tiny-60"]
     for run in children.values():
         assert run.info.status == "FINISHED"
         assert [k for k in run.data.metrics if k.startswith("eval/probe/")], run.data.metrics
     curve = client.get_metric_history(parent.info.run_id, "scaling/probe_accuracy")
-    assert sorted(m.step for m in curve) == [60, 120, 200]
+    assert sorted(m.step for m in curve) == [60, 200]
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "scaling")}
     assert artifacts == {"scaling/scaling_curve.png", "scaling/scaling.csv", "scaling/scaling.md"}
     png = client.download_artifacts(parent.info.run_id, "scaling/scaling_curve.png", str(tmp_path))
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     table = open(client.download_artifacts(parent.info.run_id, "scaling/scaling.csv", str(tmp_path))).read()
-    assert len(table.strip().splitlines()) == 4 and "tiny-60" in table
+    assert len(table.strip().splitlines()) == 3 and "tiny-60" in table
     result = json.loads((tmp_path / "ckpt" / "tiny-60" / "results.json").read_text())
     total = shards.read_manifest(str(shapes_dir))["splits"]["train"]["num_samples"]
     assert result["pairs_seen"] == 6 * 8 and result["fraction"] == 60 / total
 
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 0, again.output[-3000:]
-    assert again.output.count("done before") == 3
+    assert again.output.count("done before") == 2
     rerun = _children(client, parent)
     assert {n: (r.info.start_time, r.info.end_time) for n, r in rerun.items()} == \
         {n: (r.info.start_time, r.info.end_time) for n, r in children.items()}
-    assert len(client.get_metric_history(parent.info.run_id, "scaling/probe_accuracy")) == 3
+    assert len(client.get_metric_history(parent.info.run_id, "scaling/probe_accuracy")) == 2

@@ -100,10 +100,10 @@ def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path):
     base = load_config(None, [
         "name=sweep", f"storage_uri={tmp_path / 'store'}", f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
         f"data.train_uri={shapes_dir / 'train'}", f"data.val_uri={shapes_dir / 'val'}", "data.max_length=16",
-        "train.batch_size=8", "train.num_workers=1", "train.steps=12", "train.log_every=2", "train.val_every=2",
-        "train.val_batches=2", "train.checkpoint_every=12", "optim.warmup_steps=2"])
+        "train.batch_size=8", "train.num_workers=1", "train.steps=6", "train.log_every=2", "train.val_every=2",
+        "train.val_batches=2", "train.checkpoint_every=6", "optim.warmup_steps=2"])
     space = load_space(write(tmp_path, SPACE), base)
-    summary = run_sweep(space, base, max_concurrent=1)
+    summary = run_sweep(space, base, max_concurrent=2)
 
     client = MlflowClient(base.mlflow_uri)
     parent = client.get_run(summary.parent_run_id)
