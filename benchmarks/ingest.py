@@ -55,7 +55,8 @@ def main() -> None:
     parser.add_argument("--num", type=int, default=4000)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--actors", type=int, default=2)
-    parser.add_argument("--cpus", type=float, default=1.0, help="logical CPUs per ingest task/actor")
+    parser.add_argument("--cpus", type=float, default=0.25, help="logical CPUs per ingest task/actor "
+                        "(the pipeline's default; actors × cpus must leave room for the read tasks)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
         write_shapes_dataset(root, num=args.num, seed=0, val_fraction=0.0, samples_per_shard=250)
