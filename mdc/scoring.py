@@ -27,7 +27,8 @@ def autoregressive_score(model, images, tokens) -> torch.Tensor:
 
 @torch.no_grad()
 def pseudo_log_likelihood(model, images, tokens) -> torch.Tensor:
-    """Σ_i log p(c_i | C with only c_i masked, V): L forward passes sharing one image encoding."""
+    """Σ_i log p(c_i | C with only c_i masked, V): L forward passes sharing one image encoding,
+    each projecting only position i onto the vocabulary."""
     image_kv = model.image_keys_values(model.encode(images))
     real = tokens != model.pad_id
     total = torch.zeros(tokens.shape[0], device=tokens.device)
@@ -38,8 +39,10 @@ def pseudo_log_likelihood(model, images, tokens) -> torch.Tensor:
         noisy = tokens.clone()
         noisy[:, i] = torch.where(rows, model.mask_id, tokens[:, i])
         t = 1.0 / real.sum(1).clamp(min=1)
-        logits = model.decode(noisy, image_kv, t=t)
-        total += torch.where(rows, _token_log_probs(logits[:, i], tokens[:, i]), 0.0)
+        column = torch.zeros_like(real)
+        column[:, i] = True
+        logits = model.decode(noisy, image_kv, t=t, where=column)  # (B, vocab), rows in order
+        total += torch.where(rows, _token_log_probs(logits, tokens[:, i]), 0.0)
     return total
 
 
@@ -71,6 +74,7 @@ def monte_carlo_elbo(model, images, candidates: list[torch.Tensor], num_samples:
             t = t_all[k]
             masked = (u_all[k, :, :tokens.shape[1]] < t[:, None]) & real
             noisy = torch.where(masked, model.mask_id, tokens)
-            logp = _token_log_probs(model.decode(noisy, image_kv, t=t), tokens)
-            totals[c] += torch.where(masked, logp, 0.0).sum(1) / t
+            logp = torch.zeros(masked.shape, device=device)  # projected only where masked
+            logp[masked] = _token_log_probs(model.decode(noisy, image_kv, t=t, where=masked), tokens[masked])
+            totals[c] += logp.sum(1) / t
     return [total / num_samples for total in totals]
