@@ -44,10 +44,19 @@ def dataset_root(train_uri: str) -> str:
     return posixpath.dirname(train_uri.rstrip("/"))
 
 
+def sweep_name(base_cfg: RunConfig, space: SearchSpace) -> str:
+    return f"{base_cfg.name}-{space.name}"
+
+
+def trial_run_name(sweep: str, trial_id: str) -> str:
+    """A trial's run name: its Ray Train run and its MLflow child run."""
+    return f"{sweep}-{trial_id}"
+
+
 def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str) -> None:
     point = config["point"]
     cfg = build_config(apply_overrides(_copy(base), to_override_list(point)))
-    cfg.name = f"{sweep}-{tune.get_context().get_trial_id()}"
+    cfg.name = trial_run_name(sweep, tune.get_context().get_trial_id())
     summary = run_training(cfg, parent_run_id=parent_run_id, callbacks=[TuneReportCallback()])
     model, _ = load_pretrained(summary.checkpoint_uri, endpoint_url=cfg.data.endpoint_url)
     probe = probe_shapes(model, dataset_root(cfg.data.train_uri), cfg.data.endpoint_url)
@@ -64,7 +73,7 @@ def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str) -> None:
 def build_tuner(space: SearchSpace, base_cfg: RunConfig, parent_run_id: str, num_samples: int | None,
                 max_concurrent: int) -> tune.Tuner:
     base = base_cfg.model_dump()
-    sweep = f"{base_cfg.name}-{space.name}"
+    sweep = sweep_name(base_cfg, space)
     trainable = tune.with_resources(  # the trial function only drives its trainer: a sliver of CPU
         tune.with_parameters(run_trial, base=base, parent_run_id=parent_run_id, sweep=sweep), {"CPU": 0.05})
     path, filesystem = storage_for(posixpath.join(base_cfg.storage_uri, "sweeps"), base_cfg.data.endpoint_url)
@@ -143,7 +152,7 @@ def _fmt(value) -> str:
 def mark_stopped_trials(client: MlflowClient, parent_run_id: str, sweep: str, rows: list[dict]) -> None:
     """A trial the scheduler stopped is KILLED in MLflow. Its driver may have been killed before
     closing the run (left RUNNING) or seen its trainer torn down first (closed it as FAILED)."""
-    stopped = {f"{sweep}-{r['trial_id']}" for r in rows if r["stopped_early"]}
+    stopped = {trial_run_name(sweep, r["trial_id"]) for r in rows if r["stopped_early"]}
     for child in client.search_runs([client.get_run(parent_run_id).info.experiment_id],
                                     filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'"):
         name = child.data.tags.get(tracking.RUN_NAME_TAG)
@@ -154,14 +163,15 @@ def mark_stopped_trials(client: MlflowClient, parent_run_id: str, sweep: str, ro
 def run_sweep(space: SearchSpace, base_cfg: RunConfig, num_samples: int | None = None,
               max_concurrent: int = 1) -> SweepSummary:
     mlflow_uri = tracking.absolute_tracking_uri(base_cfg.mlflow_uri)
+    sweep = sweep_name(base_cfg, space)
     parent = tracking.get_or_create_run(
-        mlflow_uri, base_cfg.experiment, f"sweep-{base_cfg.name}-{space.name}",
+        mlflow_uri, base_cfg.experiment, f"sweep-{sweep}",
         {"space": space.model_dump(include={"name", "search", "metric", "mode", "rank_by"}),
          "base": base_cfg.model_dump()})
     results = build_tuner(space, base_cfg, parent, num_samples, max_concurrent).fit()
     rows = results_rows(results, space)
     client = MlflowClient(mlflow_uri)
-    mark_stopped_trials(client, parent, f"{base_cfg.name}-{space.name}", rows)
+    mark_stopped_trials(client, parent, sweep, rows)
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_artifacts(rows, space, Path(tmp)) if rows else []
         (Path(tmp) / "space.yaml").write_text(yaml.safe_dump(space.model_dump(), sort_keys=False))
