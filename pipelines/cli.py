@@ -107,14 +107,14 @@ def tune(ctx: typer.Context,
 
 @app.command()
 def demo(workdir: Path = typer.Option(Path("mdc-demo"), help="where runs, MLflow and the summary go"),
-         num: int = typer.Option(2000, help="shapes images to generate"),
+         num: Optional[int] = typer.Option(None, help="shapes images to generate [default: the demo's 9,000]"),
          steps: Optional[int] = None):
     """The embedded default, end to end on this machine: local S3 server, shapes shards in a bucket,
     2-worker Ray training, MLflow in SQLite, then a summary with sample captions."""
-    from pipelines.demo import run_demo
+    from pipelines.demo import DEMO_IMAGES, run_demo
 
     overrides = [f"train.steps={steps}"] if steps else []
-    run_demo(workdir, num=num, overrides=overrides, console=console)
+    run_demo(workdir, num=num or DEMO_IMAGES, overrides=overrides, console=console)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from mdc.config import load_config
-from mdc.model import Captioner, build_model
+from mdc.model import SINCOS_GAIN, Captioner, build_model
 from mdc.tokenizer import CaptionTokenizer
 
 MASK, PAD = 49408, 49409
@@ -142,6 +142,21 @@ def test_presets(preset, patches, patch, dim):
     assert model.dim == encoder.embed_dim == dim
     assert len(model.blocks) == (2 if preset == "tiny" else 6)
     assert model.pos_embed.shape == (1, 33, dim)
+
+
+def test_encoder_positions_are_a_fixed_2d_sincos_table():
+    model = make_model()
+    table = model.encoder.pos_embed[0]  # (64 patches, 128): an 8 x 8 grid, row-major like the patches
+    bands = 1.0 / 10_000 ** (torch.arange(32) / 32)
+    y, x = 2, 5
+    expected = torch.cat([(y * bands).sin(), (x * bands).sin(), (y * bands).cos(), (x * bands).cos()])
+    torch.testing.assert_close(table[8 * y + x], SINCOS_GAIN * expected)
+    assert "encoder.pos_embed" not in dict(model.named_parameters())  # never trained
+    assert "encoder.pos_embed" not in model.state_dict()  # rebuilt, not stored
+    learned = Captioner("tiny", max_length=8, pos_embed="learned")
+    assert "encoder.pos_embed" in dict(learned.named_parameters())
+    with pytest.raises(ValueError, match="pos_embed must be 'sincos2d' or 'learned', got 'rope'"):
+        Captioner("tiny", max_length=8, pos_embed="rope")
 
 
 def test_build_model_follows_the_config():

@@ -3,6 +3,10 @@
 Small, fully known and deterministic from a seed, so that pretraining, linear probes (label = shape of
 the first-mentioned object) and compositionality tests (swapped objects / swapped colours, written in
 the ARO and SugarCrepe layouts) can all run end to end on a laptop.
+
+Captions name the two objects in reading order ("to the left of", "above"), so the first-mentioned
+object, and with it the probe label, is a property of the image (with "to the right of" too, the
+same picture would carry either object's label).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from mdc import shards, storage
 
 CLASS_NAMES = ["circle", "square", "triangle"]  # probe label = shape of the first-mentioned object
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30)}
-SIZES = {"small": 0.11, "large": 0.19}  # half-width as a fraction of the image side
-RELATIONS = ["to the left of", "to the right of", "above", "below"]
+SIZES = {"small": 0.15, "large": 0.24}  # half-width as a fraction of the image side
+RELATIONS = ["to the left of", "above"]  # reading order: the first-mentioned object is left / on top
 RELATION_SWAP = "relation_swap"  # objects swapped around the relation
 ATTRIBUTE_SWAP = "attribute_swap"  # colours swapped between the two objects
 COMPOSITIONALITY_DIR = "compositionality"
@@ -58,17 +62,14 @@ def _caption(objects: list[ShapeObject], relation: str | None) -> str:
 
 
 def _centres(rng: random.Random, s: int, relation: str | None) -> list[tuple[float, float]]:
-    """Object centres: the first object on the side the relation names, the other opposite."""
+    """Object centres: the first object left of (or above) the second."""
     if relation is None:
         return [(s / 2 + rng.uniform(-s / 8, s / 8), s / 2 + rng.uniform(-s / 8, s / 8))]
-    near, far = s / 4, 3 * s / 4
-    along = {"to the left of": (near, far), "to the right of": (far, near),
-             "above": (near, far), "below": (far, near)}
-    a, b = (p + rng.uniform(-s / 32, s / 32) for p in along[relation])
+    first, second = (p + rng.uniform(-s / 32, s / 32) for p in (s / 4, 3 * s / 4))
     across_a, across_b = (s / 2 + rng.uniform(-s / 10, s / 10) for _ in range(2))
-    if relation in ("to the left of", "to the right of"):
-        return [(a, across_a), (b, across_b)]
-    return [(across_a, a), (across_b, b)]
+    if relation == "to the left of":
+        return [(first, across_a), (second, across_b)]
+    return [(across_a, first), (across_b, second)]
 
 
 def _draw(draw: ImageDraw.ImageDraw, obj: ShapeObject, cx: float, cy: float, s: int) -> None:
