@@ -183,8 +183,8 @@ def test_clip_loss_falls_and_matches_images_to_their_captions():
                                                            "a yellow star"]))
     pixels = images(4, seed=3)
     optimizer = build_optimizer(clip, OptimConfig(lr=1e-3, weight_decay=0.0))
-    scheduler = build_scheduler(optimizer, warmup=1, total=30)
-    history = [train_step(clip, optimizer, scheduler, pixels, tokens, cfg.objective, 1.0) for _ in range(30)]
+    scheduler = build_scheduler(optimizer, warmup=1, total=60)
+    history = [train_step(clip, optimizer, scheduler, pixels, tokens, cfg.objective, 1.0) for _ in range(60)]
     assert history[-1]["loss"] < 0.5 * history[0]["loss"]
     assert history[-1]["contrastive_accuracy"] == 1.0
 

@@ -343,8 +343,8 @@ def test_evaluation_counts_ties_as_wrong(tmp_path):
 # ------------------------------------------------------------ on the demo recipe, trained here
 # `configs/demo.yaml` (model, objective, optimiser, steps, global batch) on the demo's shapes dataset,
 # trained by the same `train_step` in one process instead of 2 FSDP workers (the Ray path is tested
-# in test_pipeline.py). Measured (seed 0): probe 0.749 vs 0.582 at random init, VG-Relation and
-# VG-Attribution 1.0 vs 0.49 and 0.52; with 3,000 images, or 400 steps, the probe gains only 0.06-0.08.
+# in test_pipeline.py). Measured (seed 0): probe 0.783 vs 0.578 at random init, VG-Relation and
+# VG-Attribution 1.0 vs 0.51 and 0.54; with 3,000 images, or 400 steps, the probe gains only 0.06-0.08.
 
 PROBE_MARGIN = 0.1
 trained_model_test = pytest.mark.timeout(900)
