@@ -1,7 +1,7 @@
 """Evaluation suite without Ray: dataset and benchmark readers on small fixtures written here in the
-published layouts, caption metrics against pycocoevalcap, the probe and the scorers — and, on a tiny
-model trained for a minute on shapes, that the probe beats random init and the Monte Carlo scorer
-beats chance on the shapes VG-Relation pairs."""
+published layouts, caption metrics against pycocoevalcap, the probe and the scorers — and, on the
+demo's recipe trained here for two minutes, that the probe beats random init by a clear margin and
+the Monte Carlo scorer all but solves the shapes VG-Relation and VG-Attribution pairs."""
 
 import gzip
 import io
