@@ -107,7 +107,7 @@ def tune(ctx: typer.Context,
 
 @app.command()
 def demo(workdir: Path = typer.Option(Path("mdc-demo"), help="where runs, MLflow and the summary go"),
-         num: Optional[int] = typer.Option(None, help="shapes images to generate [default: the demo's 9,000]"),
+         num: Optional[int] = typer.Option(None, help="shapes images to generate (default: the demo's 9,000)"),
          steps: Optional[int] = None):
     """The embedded default, end to end on this machine: local S3 server, shapes shards in a bucket,
     2-worker Ray training, MLflow in SQLite, then a summary with sample captions."""
