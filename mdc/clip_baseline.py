@@ -32,13 +32,13 @@ MAX_LOGIT_SCALE = 100.0  # CLIP clamps the temperature so logits stay below 100
 class ClipModel(nn.Module):
     def __init__(self, preset: str = "tiny", max_length: int = 32, image_size: int | None = None,
                  text_layers: int | None = None, bos_id: int = 49406, eos_id: int = 49407, pad_id: int = 49409,
-                 pos_embed: str = "sincos2d"):
+                 encoder_pos_embed: str = "sincos2d"):
         super().__init__()
         p = PRESETS[preset]
         self.image_size = image_size or p.image_size
         self.max_length = max_length
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
-        self.encoder = create_encoder(preset, self.image_size, pos_embed)
+        self.encoder = create_encoder(preset, self.image_size, encoder_pos_embed)
         dim = self.encoder.embed_dim
         self.image_proj = nn.Linear(dim, dim, bias=False)
         self.text = TextTransformer(context_length=max_length + 2, vocab_size=eos_id + 1, width=dim,

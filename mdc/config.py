@@ -25,8 +25,8 @@ class ModelConfig(_Section):
     preset: PresetName = "tiny"
     image_size: int | None = Field(None, ge=8, description="defaults to the preset's")
     decoder_layers: int | None = Field(None, ge=1, description="defaults to the preset's")
-    pos_embed: Literal["sincos2d", "learned"] = Field("sincos2d", description="encoder positions: fixed 2D "
-                                                      "sin-cos (Big Vision, MAE) or timm's learned table")
+    encoder_pos_embed: Literal["sincos2d", "learned"] = Field(
+        "sincos2d", description="ViT positions: fixed 2D sin-cos (Big Vision, MAE) or timm's learned table")
     time_conditioning: bool = False
     concentrated_attention: bool = False
     predict_length: bool = Field(False, description="DDCap: caption-length head; masked objectives only")

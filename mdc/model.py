@@ -42,8 +42,8 @@ PRESETS: dict[str, Preset] = {
 # encoders: masked colour words bound to the right object 0.60 of the time (chance) after 1,500 steps
 # with the learned table, 0.61 after 200 steps at gain 1, 0.99 after 200 at gains 2 and 3; `mdc demo`
 # probed 0.09 above random init at gain 2, 0.14 at gain 3 (one run each). The price: objectives that
-# tell images apart by their pooled feature start slower (CLIP overfitting 4 images: 15 steps with the
-# learned table, 60 at gain 3).
+# tell images apart by their pooled feature start slower (CLIP overfitting 4 images: 15 steps at lr
+# 3e-3 with the learned table; at gain 3 it stalls at lr 3e-3 and needs 60 steps at lr 1e-3).
 SINCOS_GAIN = 3.0
 
 
@@ -140,11 +140,11 @@ class Captioner(nn.Module):
                  pad_id: int = 49409, bos_id: int = 49406, eos_id: int = 49407, max_length: int = 32,
                  image_size: int | None = None, decoder_layers: int | None = None,
                  time_conditioning: bool = False, concentrated_attention: bool = False,
-                 predict_length: bool = False, null_image: bool = False, pos_embed: str = "sincos2d"):
+                 predict_length: bool = False, null_image: bool = False, encoder_pos_embed: str = "sincos2d"):
         super().__init__()
         p = PRESETS[preset]
         self.image_size = image_size or p.image_size
-        self.encoder = create_encoder(preset, self.image_size, pos_embed)
+        self.encoder = create_encoder(preset, self.image_size, encoder_pos_embed)
         dim = self.encoder.embed_dim
         heads = num_heads(dim)
         self.mask_id, self.pad_id, self.bos_id, self.eos_id = mask_id, pad_id, bos_id, eos_id
@@ -265,7 +265,7 @@ def build_model(cfg, tokenizer) -> nn.Module:
 
         return ClipModel(preset=cfg.model.preset, max_length=cfg.data.max_length, image_size=cfg.model.image_size,
                          text_layers=cfg.model.decoder_layers, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                         pad_id=tokenizer.pad_id, pos_embed=cfg.model.pos_embed)
+                         pad_id=tokenizer.pad_id, encoder_pos_embed=cfg.model.encoder_pos_embed)
     cls = Captioner
     if cfg.objective.name == "cdlm":
         from mdc.continuous_diffusion import DiffusionLMCaptioner
@@ -279,5 +279,5 @@ def build_model(cfg, tokenizer) -> nn.Module:
         time_conditioning=cfg.model.time_conditioning,
         concentrated_attention=cfg.model.concentrated_attention,
         predict_length=cfg.model.predict_length, null_image=cfg.objective.image_free_prob > 0,
-        pos_embed=cfg.model.pos_embed,
+        encoder_pos_embed=cfg.model.encoder_pos_embed,
     )

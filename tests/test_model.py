@@ -153,10 +153,10 @@ def test_encoder_positions_are_a_fixed_2d_sincos_table():
     torch.testing.assert_close(table[8 * y + x], SINCOS_GAIN * expected)
     assert "encoder.pos_embed" not in dict(model.named_parameters())  # never trained
     assert "encoder.pos_embed" not in model.state_dict()  # rebuilt, not stored
-    learned = Captioner("tiny", max_length=8, pos_embed="learned")
+    learned = Captioner("tiny", max_length=8, encoder_pos_embed="learned")
     assert "encoder.pos_embed" in dict(learned.named_parameters())
     with pytest.raises(ValueError, match="pos_embed must be 'sincos2d' or 'learned', got 'rope'"):
-        Captioner("tiny", max_length=8, pos_embed="rope")
+        Captioner("tiny", max_length=8, encoder_pos_embed="rope")
 
 
 def test_build_model_follows_the_config():
