@@ -1,21 +1,33 @@
 """Checkpoints.
 
-Training state is a `torch.distributed.checkpoint` (DCP) directory: every rank writes its own shard
-of the model, optimiser and EMA state, and `trainer_state.json` holds the step, scheduler and data
-epoch. For evaluation, `export_weights` writes the full unsharded weights as `model.safetensors`
-beside the run's `config.yaml`; `load_pretrained` reads them back on one process.
+Training state is a `torch.distributed.checkpoint` (DCP) directory in the run's storage,
+`RUN_DIR/checkpoint_XXXXXXXX` (local or S3): every rank writes its own shard of the model,
+optimiser and EMA state (plus `extra_rank<R>.json`, state of its own such as a data position),
+and rank 0 writes `trainer_state.json` (step, epoch, scheduler, that step's metrics). A checkpoint is *complete* only
+once every rank's files are in place and rank 0 has written `complete.json` after them, listing
+every file with its size and CRC-32: a directory without it (a worker died while saving) or whose
+files do not match it (damaged) is never resumed from; `newest_complete` picks the newest one that
+is whole and says why it skipped the others. mdc, not Ray Train, owns these directories, so a
+worker group that dies between saving and reporting loses nothing.
+
+For evaluation, `export_weights` writes the full unsharded weights as `model.safetensors` beside
+the run's `config.yaml`; `load_pretrained` reads them back on one process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import re
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 
 import pyarrow.fs as pafs
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
@@ -30,35 +42,167 @@ from mdc import storage
 TRAINER_STATE = "trainer_state.json"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.yaml"
+MARKER = "complete.json"
+_CHECKPOINT_DIR = re.compile(r"checkpoint_(\d{8})")
+_CHUNK = 8 * 1024 * 1024
 
 
-def save_training_state(directory: str | Path, model, optimizer, scheduler, ema, trainer_state: dict,
-                        rank: int) -> None:
-    """Collective: call on every rank with the same directory (or a per-rank directory that is
-    merged later, as Ray Train does)."""
+def checkpoint_dir(run_dir: str, step: int) -> str:
+    return storage.join(run_dir, f"checkpoint_{step:08d}")
+
+
+def _extra_name(rank: int) -> str:
+    return f"extra_rank{rank}.json"
+
+
+def _state(model, optimizer, ema) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     if ema is not None:
         state["ema"] = ema.state_dict()
-    dcp.save(state, checkpoint_id=str(directory))
+    return state
+
+
+def stage_training_state(directory: str | Path, model, optimizer, scheduler, ema, trainer_state: dict,
+                         extra_state: dict, rank: int) -> None:
+    """Collective: every rank writes its shard into its own local `directory` (rank 0 also the
+    DCP metadata and trainer_state.json); `upload_shard` then moves them into the run's storage."""
+    dcp.save(_state(model, optimizer, ema), checkpoint_id=str(directory))
+    Path(directory, _extra_name(rank)).write_text(json.dumps(extra_state))
     if rank == 0:
         payload = {**trainer_state, "scheduler": scheduler.state_dict()}
         Path(directory, TRAINER_STATE).write_text(json.dumps(payload))
 
 
-def load_training_state(directory: str | Path, model, optimizer, scheduler, ema) -> dict:
-    """Collective: restores model, optimiser, scheduler and EMA in place; returns trainer_state."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    if ema is not None:
-        state["ema"] = ema.state_dict()
+def upload_shard(local_dir: str | Path, uri: str, endpoint_url: str | None = None) -> dict[str, dict]:
+    """Copy this rank's staged files into checkpoint `uri`; returns {name: {size, crc32}} of them."""
+    fs, path = storage.open_fs(uri, endpoint_url)
+    fs.create_dir(path, recursive=True)
+    written = {}
+    for file in sorted(Path(local_dir).iterdir()):
+        crc, size = 0, 0
+        with open(file, "rb") as src, fs.open_output_stream(f"{path}/{file.name}") as dst:
+            while chunk := src.read(_CHUNK):
+                crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+                dst.write(chunk)
+        written[file.name] = {"size": size, "crc32": crc}
+    return written
+
+
+def commit(uri: str, step: int, written: dict[str, dict], rank: int, endpoint_url: str | None = None) -> None:
+    """Collective, after `upload_shard` on every rank: rank 0 writes the completion marker listing
+    every rank's files; when this returns on any rank, the checkpoint is complete."""
+    world = dist.get_world_size()
+    by_rank: list = [None] * world
+    dist.all_gather_object(by_rank, written)  # also the barrier: every rank's files are in place
+    if rank == 0:
+        files = {name: meta for shard in by_rank for name, meta in shard.items()}
+        marker = {"step": step, "ranks": list(range(world)), "files": files}
+        storage.write_bytes(storage.join(uri, MARKER), json.dumps(marker, indent=1).encode(), endpoint_url)
+    dist.barrier()  # nobody moves on (or dies) before the marker exists
+
+
+def remove(uri: str, endpoint_url: str | None = None) -> None:
+    """Delete a checkpoint directory if it exists (a leftover of an interrupted save)."""
+    fs, path = storage.open_fs(uri, endpoint_url)
+    if fs.get_file_info(path).type == pafs.FileType.Directory:
+        fs.delete_dir(path)
+
+
+def _checkpoints(run_dir: str, endpoint_url: str | None) -> list[tuple[int, str]]:
+    """(step, uri) of every checkpoint_XXXXXXXX directory in the run, newest first."""
+    fs, path = storage.open_fs(run_dir, endpoint_url)
+    if fs.get_file_info(path).type != pafs.FileType.Directory:
+        return []
+    found = []
+    for info in fs.get_file_info(pafs.FileSelector(path)):
+        match = _CHECKPOINT_DIR.fullmatch(info.base_name)
+        if match and info.type == pafs.FileType.Directory:
+            found.append((int(match.group(1)), storage.join(run_dir, info.base_name)))
+    return sorted(found, reverse=True)
+
+
+def problem(uri: str, endpoint_url: str | None = None, checksums: bool = True) -> str | None:
+    """Why checkpoint `uri` cannot be resumed from, or None when it is complete and intact.
+    Without `checksums` only names and sizes are compared (a listing, no reads)."""
+    fs, path = storage.open_fs(uri, endpoint_url)
+    try:
+        marker = json.loads(storage.read_bytes(storage.join(uri, MARKER), endpoint_url))
+        expected = marker["files"]
+    except storage.StorageError:
+        return f"no {MARKER}: a worker stopped before every shard was written"
+    except (ValueError, KeyError, TypeError):
+        return f"{MARKER} is unreadable"
+    sizes = {i.base_name: i.size for i in fs.get_file_info(pafs.FileSelector(path))
+             if i.type == pafs.FileType.File}
+    for name, meta in expected.items():
+        if name not in sizes:
+            return f"{name} is missing"
+        if sizes[name] != meta["size"]:
+            return f"{name} has {sizes[name]} bytes, {MARKER} says {meta['size']}"
+    if checksums:
+        for name, meta in expected.items():
+            crc = 0
+            with fs.open_input_stream(f"{path}/{name}") as f:
+                while chunk := f.read(_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+            if crc != meta["crc32"]:
+                return f"{name} does not match its CRC-32 in {MARKER}"
+    return None
+
+
+def newest_complete(run_dir: str, endpoint_url: str | None = None) -> tuple[str | None, list[str]]:
+    """The newest complete, intact checkpoint of the run (None if there is none), and one line per
+    newer directory that was skipped, saying why."""
+    skipped = []
+    for step, uri in _checkpoints(run_dir, endpoint_url):
+        reason = problem(uri, endpoint_url)
+        if reason is None:
+            return uri, skipped
+        skipped.append(f"skipped {uri} (step {step}): {reason}")
+    return None, skipped
+
+
+def prune(run_dir: str, step: int, keep: int, endpoint_url: str | None = None) -> None:
+    """After checkpoint `step` is complete: keep it and the newest `keep - 1` complete ones before
+    it; delete the rest, including incomplete directories and any left from before a resume."""
+    kept = 0
+    for other, uri in _checkpoints(run_dir, endpoint_url):
+        if other <= step and kept < keep and problem(uri, endpoint_url, checksums=False) is None:
+            kept += 1
+        else:
+            remove(uri, endpoint_url)
+
+
+@contextlib.contextmanager
+def local_copy(uri: str, endpoint_url: str | None = None):
+    """A local directory with the files of checkpoint `uri` (the directory itself when local)."""
+    if not storage.is_s3(uri):
+        yield uri
+        return
+    fs, path = storage.open_fs(uri, endpoint_url)
+    with tempfile.TemporaryDirectory() as directory:
+        pafs.copy_files(path, directory, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        yield directory
+
+
+def read_trainer_state(uri: str, endpoint_url: str | None = None) -> dict:
+    """Step, epoch, scheduler and the metrics of the step a checkpoint was saved at."""
+    return json.loads(storage.read_bytes(storage.join(uri, TRAINER_STATE), endpoint_url))
+
+
+def load_training_state(directory: str | Path, model, optimizer, scheduler, ema, rank: int) -> tuple[dict, dict]:
+    """Collective: restores model, optimiser, scheduler and EMA in place; returns (trainer_state,
+    this rank's extra_state, {} when the checkpoint has none for it)."""
+    state = _state(model, optimizer, ema)
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if ema is not None:
         ema.load_state_dict(state["ema"])
     payload = json.loads(Path(directory, TRAINER_STATE).read_text())
     scheduler.load_state_dict(payload.pop("scheduler"))
-    return payload
+    extra = Path(directory, _extra_name(rank))
+    return payload, json.loads(extra.read_text()) if extra.is_file() else {}
 
 
 def full_weights(model, ema=None) -> dict[str, torch.Tensor]:

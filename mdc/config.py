@@ -81,6 +81,7 @@ class TrainConfig(_Section):
     batch_size: int = Field(32, ge=1, description="per worker")
     seed: int = 0
     checkpoint_every: int = Field(100, ge=1)
+    keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept in storage, newest first")
     log_every: int = Field(10, ge=1)
     val_every: int = Field(100, ge=1)
     val_batches: int = Field(4, ge=1)

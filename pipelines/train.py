@@ -2,8 +2,11 @@
 
 `run_training` is the driver: it checks storage, builds the datasets, opens the MLflow run and
 launches a `TorchTrainer`. `train_loop` runs on every worker: build and shard the model, restore the
-latest checkpoint if there is one (a restarted worker group or a relaunched run with the same name),
-train, and report metrics and DCP checkpoints through `ray.train.report`.
+newest complete checkpoint in the run's storage if there is one (a restarted worker group or a
+relaunched run with the same name), train, save DCP checkpoints there (mdc.checkpoint) and report
+metrics through `ray.train.report`. Checkpoints are not handed to Ray Train: it records one only
+once every rank has reported it, so a group that died in between would lose a checkpoint that is
+already written; the completion marker in storage is the one record of what can be resumed.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import ray
 import ray.train
@@ -34,7 +38,9 @@ from pipelines.ingest import SkipCounter, build_dataset
 
 @dataclass
 class Fault:
-    """Stop one worker at the start of `step`, once (`marker` records that it fired): with
+    """Stop one worker once (`marker` records that it fired), at a point of `step`: its start
+    ("step"), after this rank's checkpoint shard is in storage but before the checkpoint is
+    complete ("shard_written"), or once it is complete but not yet reported ("committed"). With
     `kill` its process dies as if the node were lost, otherwise the training function raises.
     Used to test recovery from a dead worker and resumption of a relaunched run."""
 
@@ -42,13 +48,14 @@ class Fault:
     rank: int
     marker: str
     kill: bool = True
+    at: Literal["step", "shard_written", "committed"] = "step"
 
-    def maybe_fire(self, step: int, rank: int) -> None:
-        if step == self.step and rank == self.rank and not os.path.exists(self.marker):
+    def maybe_fire(self, step: int, rank: int, at: str = "step") -> None:
+        if (step, rank, at) == (self.step, self.rank, self.at) and not os.path.exists(self.marker):
             Path(self.marker).write_text(str(step))
             if self.kill:
                 os._exit(1)
-            raise RuntimeError(f"injected fault at step {step} on rank {rank}")
+            raise RuntimeError(f"injected fault at step {step} ({at}) on rank {rank}")
 
 
 @dataclass
@@ -123,11 +130,12 @@ def train_loop(loop_config: dict) -> None:
     scheduler = build_scheduler(optimizer, cfg.optim.warmup_steps, tc.steps)
     ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
 
-    step, epoch = 0, 0
-    restored = ray.train.get_checkpoint()
+    run_dir, endpoint = loop_config["run_dir"], cfg.data.endpoint_url
+    step, epoch, extra_state = 0, 0, {}
+    restored = _choose_checkpoint(run_dir, endpoint, rank)
     if restored is not None:
-        with restored.as_directory() as directory:
-            state = ckpt.load_training_state(directory, model, optimizer, scheduler, ema)
+        with ckpt.local_copy(restored, endpoint) as directory:
+            state, extra_state = ckpt.load_training_state(directory, model, optimizer, scheduler, ema, rank)
         step, epoch = state["step"], state["epoch"] + 1  # a resumed run starts a fresh epoch
 
     restored_norm = param_norm(model) if restored is not None else None
@@ -136,7 +144,7 @@ def train_loop(loop_config: dict) -> None:
         logger = tracking.MetricLogger(loop_config["mlflow_uri"], loop_config["mlflow_run_id"])
         if restored is not None:
             logger.log({"resumed_from_step": step, "resumed_param_norm": restored_norm}, step)
-            print(f"[mdc] resumed from step {step}", flush=True)
+            logger.client.set_tag(logger.run_id, "resumed_from", restored)
 
     val_batches = []
     if cfg.data.val_uri:
@@ -180,7 +188,10 @@ def train_loop(loop_config: dict) -> None:
             if step % tc.checkpoint_every == 0 or step == tc.steps:
                 if logger is not None:
                     logger.flush()  # every step up to a checkpoint is in MLflow before it exists
-                _report_checkpoint(cfg, model, optimizer, scheduler, ema, step, epoch, rank, metrics)
+                _save_checkpoint(cfg, run_dir, model, optimizer, scheduler, ema,
+                                 {"step": step, "epoch": epoch, "metrics": {**metrics, "step": step}},
+                                 extra_state, rank, fault)
+                ray.train.report({**metrics, "step": step})
             elif step % tc.log_every == 0:
                 ray.train.report({**metrics, "step": step})
             if step >= tc.steps:
@@ -193,18 +204,47 @@ def train_loop(loop_config: dict) -> None:
         logger.flush()
 
 
-def _report_checkpoint(cfg, model, optimizer, scheduler, ema, step, epoch, rank, metrics) -> None:
-    """DCP shard per rank into a temporary directory; Ray Train merges and uploads them. The last
+def _choose_checkpoint(run_dir: str, endpoint: str | None, rank: int) -> str | None:
+    """The checkpoint every rank resumes from: rank 0 picks the newest complete one in storage,
+    says which and why, and tells the others."""
+    choice = [None]
+    if rank == 0:
+        choice[0], skipped = ckpt.newest_complete(run_dir, endpoint)
+        for line in skipped:
+            print(f"[mdc] {line}", flush=True)
+        if choice[0] is not None:
+            print(f"[mdc] resuming from {choice[0]}: the newest complete checkpoint in the run's storage",
+                  flush=True)
+        elif skipped:
+            print(f"[mdc] no complete checkpoint in {run_dir}: starting from step 0", flush=True)
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def _save_checkpoint(cfg, run_dir, model, optimizer, scheduler, ema, trainer_state, extra_state, rank,
+                     fault: Fault | None) -> None:
+    """Collective. Each rank stages its DCP shard locally and copies it into the run's storage;
+    then rank 0 marks the checkpoint complete and deletes the ones no longer kept. The last
     checkpoint also carries the exported full weights for evaluation."""
+    step, endpoint = trainer_state["step"], cfg.data.endpoint_url
+    uri = ckpt.checkpoint_dir(run_dir, step)
     final = step == cfg.train.steps
     weights = ckpt.full_weights(model, ema) if final else None  # collective: every rank calls
+    if rank == 0:
+        ckpt.remove(uri, endpoint)  # what an interrupted attempt at this step left
+    dist.barrier()
     with tempfile.TemporaryDirectory() as directory:
-        ckpt.save_training_state(directory, model, optimizer, scheduler, ema,
-                                 {"step": step, "epoch": epoch}, rank)
+        ckpt.stage_training_state(directory, model, optimizer, scheduler, ema, trainer_state, extra_state, rank)
         if final and rank == 0:
             ckpt.export_weights(directory, weights, dump_config(cfg))
-        ray.train.report({**metrics, "step": step}, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                         checkpoint_dir_name=f"checkpoint_{step:08d}")
+        written = ckpt.upload_shard(directory, uri, endpoint)
+    if fault is not None:
+        fault.maybe_fire(step, rank, "shard_written")
+    ckpt.commit(uri, step, written, rank, endpoint)
+    if rank == 0:
+        ckpt.prune(run_dir, step, cfg.train.keep_checkpoints, endpoint)
+    if fault is not None:
+        fault.maybe_fire(step, rank, "committed")
 
 
 def storage_for(uri: str, endpoint_url: str | None):
@@ -240,23 +280,23 @@ def run_training(cfg: RunConfig, fault: Fault | None = None, parent_run_id: str 
                                         cpus=data.ingest_cpus).limit(n_val).materialize()
 
     storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
+    run_dir = storage.join(cfg.storage_uri if storage.is_s3(cfg.storage_uri) else storage_path, cfg.name)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"cfg": cfg.model_dump(), "mlflow_uri": mlflow_uri, "mlflow_run_id": run_id,
-                           "fault": fault.__dict__ if fault else None},
+                           "run_dir": run_dir, "fault": fault.__dict__ if fault else None},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if cfg.train.use_gpu else {})}),
         run_config=ray.train.RunConfig(
             name=cfg.name, storage_path=storage_path, storage_filesystem=filesystem,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=3), callbacks=callbacks),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures), callbacks=callbacks),
         datasets=datasets,
         dataset_config=ray.train.DataConfig(datasets_to_split=["train"]),
         torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
     )
     try:
-        result = trainer.fit()
+        trainer.fit()
     except Exception:
         tracking.finish_run(mlflow_uri, run_id, "FAILED")
         raise
@@ -266,7 +306,6 @@ def run_training(cfg: RunConfig, fault: Fault | None = None, parent_run_id: str 
                cfg.train.steps)
     logger.flush()
     tracking.finish_run(mlflow_uri, run_id)
-    checkpoint_uri = result.checkpoint.path
-    if cfg.storage_uri.startswith("s3://"):
-        checkpoint_uri = "s3://" + checkpoint_uri
-    return TrainSummary(cfg.name, run_id, checkpoint_uri, dict(result.metrics or {}), skipped)
+    final = ckpt.checkpoint_dir(run_dir, cfg.train.steps)
+    return TrainSummary(cfg.name, run_id, final, ckpt.read_trainer_state(final, data.endpoint_url)["metrics"],
+                        skipped)

@@ -1,5 +1,6 @@
 """The main job on a real local Ray (2 CPUs) against a real S3 server: FSDP training from a bucket,
-checkpoints in the bucket, bad records counted, resume after a stop, recovery from a killed worker."""
+checkpoints in the bucket, bad records counted, resume after a stop, recovery from a killed worker.
+The fault tests kill a worker at a chosen point (`Fault`), so the step sequence they assert is exact."""
 
 import io
 import math
@@ -95,34 +96,60 @@ def _param_norm(state: dict) -> float:
     return math.sqrt(sum(float(v.float().pow(2).sum()) for v in state.values()))
 
 
-def test_relaunch_resumes_after_last_checkpoint(ray_cluster, shapes_dir, tmp_path):
-    cfg = tiny_config(tmp_path, "resume", shapes_dir / "train", steps=8, checkpoint_every=4, log_every=2,
-                      max_failures=0)
-    with pytest.raises(Exception):
-        run_training(cfg, fault=Fault(step=5, rank=0, marker=str(tmp_path / "fired"), kill=False))
-    summary = run_training(cfg)
-
-    steps = [s for s, _ in metric_steps(cfg, summary.mlflow_run_id)]
-    assert steps == list(range(1, 9))
-    resumed = metric_steps(cfg, summary.mlflow_run_id, "resumed_from_step")
-    assert [v for _, v in resumed] == [4]
-    dcp_to_torch_save(tmp_path / "ckpt" / "resume" / "checkpoint_00000004", tmp_path / "k4.pt")
-    expected = _param_norm(torch.load(tmp_path / "k4.pt", weights_only=True)["model"])
-    [(_, restored)] = metric_steps(cfg, summary.mlflow_run_id, "resumed_param_norm")
-    assert restored == pytest.approx(expected, rel=1e-5)
+def fault_config(tmp_path, name, shapes_dir, max_failures):
+    """8 steps, complete checkpoints at steps 3, 6 and 8."""
+    return tiny_config(tmp_path, name, shapes_dir / "train", steps=8, checkpoint_every=3, log_every=2,
+                       max_failures=max_failures)
 
 
-def test_killed_worker_is_recovered(ray_cluster, shapes_dir, tmp_path):
-    cfg = tiny_config(tmp_path, "fault", shapes_dir / "train", steps=8, checkpoint_every=3, log_every=2,
-                      max_failures=1)
-    start = time.monotonic()
-    summary = run_training(cfg, fault=Fault(step=5, rank=1, marker=str(tmp_path / "fired")))
+def resumed_from(cfg, run_id) -> list[float]:
+    return [v for _, v in metric_steps(cfg, run_id, "resumed_from_step")]
+
+
+def test_worker_killed_after_a_checkpoint_resumes_from_it(ray_cluster, shapes_dir, tmp_path):
+    """Rank 1 dies once checkpoint 6 is complete but before it is reported (where Ray Train's own
+    record of it is lost): the restarted group resumes at 6, no step is repeated."""
+    cfg = fault_config(tmp_path, "after-ckpt", shapes_dir, max_failures=1)
+    summary = run_training(cfg, fault=Fault(step=6, rank=1, marker=str(tmp_path / "fired"), at="committed"))
     assert (tmp_path / "fired").exists()
     assert summary.metrics["step"] == 8
-    steps = [s for s, _ in metric_steps(cfg, summary.mlflow_run_id)]
-    assert set(steps) == set(range(1, 9))
-    assert [v for _, v in metric_steps(cfg, summary.mlflow_run_id, "resumed_from_step")] == [3]
-    assert time.monotonic() - start < 300
+    assert [s for s, _ in metric_steps(cfg, summary.mlflow_run_id)] == list(range(1, 9))
+    assert resumed_from(cfg, summary.mlflow_run_id) == [6]
+    tags = MlflowClient(cfg.mlflow_uri).get_run(summary.mlflow_run_id).data.tags
+    assert tags["resumed_from"] == str(tmp_path / "ckpt" / "after-ckpt" / "checkpoint_00000006")
+
+
+def test_worker_killed_mid_checkpoint_resumes_from_the_previous_one(ray_cluster, shapes_dir, tmp_path):
+    """Rank 1 dies after writing its shard of checkpoint 6, before the checkpoint is complete:
+    the incomplete directory is not used, the group resumes at 3 and repeats steps 4-6 only."""
+    cfg = fault_config(tmp_path, "mid-ckpt", shapes_dir, max_failures=1)
+    summary = run_training(cfg, fault=Fault(step=6, rank=1, marker=str(tmp_path / "fired"), at="shard_written"))
+    assert (tmp_path / "fired").exists()
+    assert [s for s, _ in metric_steps(cfg, summary.mlflow_run_id)] == [1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8]
+    assert resumed_from(cfg, summary.mlflow_run_id) == [3]
+    assert summary.checkpoint_uri == str(tmp_path / "ckpt" / "mid-ckpt" / "checkpoint_00000008")
+    assert (tmp_path / "ckpt" / "mid-ckpt" / "checkpoint_00000008" / "model.safetensors").is_file()
+
+
+def test_relaunch_skips_a_damaged_checkpoint(ray_cluster, shapes_dir, tmp_path):
+    """A run stopped at step 7, its newest checkpoint (6) then damaged on disk: launching it again
+    resumes from checkpoint 3, with exactly the weights saved there."""
+    cfg = fault_config(tmp_path, "damaged", shapes_dir, max_failures=0)
+    with pytest.raises(Exception):
+        run_training(cfg, fault=Fault(step=7, rank=0, marker=str(tmp_path / "fired"), kill=False))
+    run_dir = tmp_path / "ckpt" / "damaged"
+    shard = run_dir / "checkpoint_00000006" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    summary = run_training(cfg)
+
+    assert [s for s, _ in metric_steps(cfg, summary.mlflow_run_id)] == [1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8]
+    assert resumed_from(cfg, summary.mlflow_run_id) == [3]
+    dcp_to_torch_save(run_dir / "checkpoint_00000003", tmp_path / "k3.pt")
+    expected = _param_norm(torch.load(tmp_path / "k3.pt", weights_only=True)["model"])
+    [(_, restored)] = metric_steps(cfg, summary.mlflow_run_id, "resumed_param_norm")
+    assert restored == pytest.approx(expected, rel=1e-5)
 
 
 def test_unreachable_storage_fails_fast(ray_cluster, s3_server, tmp_path):

@@ -1,0 +1,125 @@
+"""Checkpoints in a run's storage (local and S3), on one process: a checkpoint is resumed from only
+when its completion marker is there and every file matches it; pruning keeps the newest complete."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mdc import checkpoint as ckpt
+from mdc import storage
+from mdc.training import EMA
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group(tmp_path_factory):
+    """A one-process gloo group: DCP and the commit barrier are collectives."""
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def make_state(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    ema = EMA(model, 0.9)
+    return model, optimizer, scheduler, ema
+
+
+def train_a_step(model, optimizer, scheduler, ema):
+    model(torch.randn(3, 4)).pow(2).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    ema.update(model)
+
+
+def save(run_dir, step, state, extra=None, endpoint=None, commit=True, tmp_path=None):
+    uri = ckpt.checkpoint_dir(run_dir, step)
+    local = Path(tmp_path or "/tmp") / f"stage-{step}-{id(state)}"
+    local.mkdir()
+    ckpt.stage_training_state(local, *state, {"step": step, "epoch": 0}, extra or {}, rank=0)
+    written = ckpt.upload_shard(local, uri, endpoint)
+    if commit:
+        ckpt.commit(uri, step, written, 0, endpoint)
+    return uri
+
+
+def test_round_trip_restores_everything_and_extra_state(tmp_path):
+    state = make_state(0)
+    train_a_step(*state)
+    uri = save(str(tmp_path / "run"), 1, state, extra={"shard_offset": 17}, tmp_path=tmp_path)
+    fresh = make_state(1)
+    trainer_state, extra = ckpt.load_training_state(uri, *fresh, rank=0)
+    assert trainer_state == {"step": 1, "epoch": 0}
+    assert extra == {"shard_offset": 17}
+    for a, b in zip(state[0].parameters(), fresh[0].parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(state[1].state_dict()["state"][0]["exp_avg"], fresh[1].state_dict()["state"][0]["exp_avg"])
+    assert fresh[2].last_epoch == 1
+    for name, value in state[3].state_dict().items():
+        assert torch.equal(value, fresh[3].state_dict()[name])
+    marker = json.loads(Path(uri, ckpt.MARKER).read_text())
+    assert marker["step"] == 1 and marker["ranks"] == [0]
+    assert set(marker["files"]) == {p.name for p in Path(uri).iterdir()} - {ckpt.MARKER}
+
+
+def test_incomplete_and_damaged_checkpoints_are_skipped(tmp_path):
+    run_dir = str(tmp_path / "run")
+    state = make_state(0)
+    good = save(run_dir, 3, state, tmp_path=tmp_path)
+    flipped = save(run_dir, 6, state, tmp_path=tmp_path)
+    truncated = save(run_dir, 9, state, tmp_path=tmp_path)
+    unmarked = save(run_dir, 12, state, commit=False, tmp_path=tmp_path)
+    shard = Path(flipped, "__0_0.distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    shard = Path(truncated, "__0_0.distcp")
+    shard.write_bytes(shard.read_bytes()[:-10])
+
+    chosen, skipped = ckpt.newest_complete(run_dir)
+    assert chosen == good
+    assert skipped == [
+        f"skipped {unmarked} (step 12): no {ckpt.MARKER}: a worker stopped before every shard was written",
+        f"skipped {truncated} (step 9): __0_0.distcp has {len(data) - 10} bytes, {ckpt.MARKER} says {len(data)}",
+        f"skipped {flipped} (step 6): __0_0.distcp does not match its CRC-32 in {ckpt.MARKER}",
+    ]
+    Path(good, ckpt.MARKER).write_text("{not json")
+    assert ckpt.newest_complete(run_dir) == (None, skipped + [
+        f"skipped {good} (step 3): {ckpt.MARKER} is unreadable"])
+    assert ckpt.newest_complete(str(tmp_path / "no-such-run")) == (None, [])
+
+
+def test_prune_keeps_newest_complete_and_drops_the_rest(tmp_path):
+    run_dir = str(tmp_path / "run")
+    state = make_state(0)
+    for step in (2, 4, 6, 8):
+        save(run_dir, step, state, tmp_path=tmp_path)
+    save(run_dir, 5, state, commit=False, tmp_path=tmp_path)   # interrupted earlier attempt
+    save(run_dir, 10, state, commit=False, tmp_path=tmp_path)  # from before a resume at 8's step
+    ckpt.prune(run_dir, 8, keep=2)
+    assert sorted(p.name for p in Path(run_dir).iterdir()) == ["checkpoint_00000006", "checkpoint_00000008"]
+
+
+def test_checkpoints_in_s3(s3_server, tmp_path):
+    run_dir = s3_server.make_bucket("ckpt-unit") + "/runs/a"
+    endpoint = s3_server.endpoint_url
+    state = make_state(0)
+    train_a_step(*state)
+    first = save(run_dir, 1, state, endpoint=endpoint, tmp_path=tmp_path)
+    save(run_dir, 2, state, endpoint=endpoint, commit=False, tmp_path=tmp_path)
+    chosen, skipped = ckpt.newest_complete(run_dir, endpoint)
+    assert chosen == first == f"{run_dir}/checkpoint_00000001"
+    assert len(skipped) == 1 and "checkpoint_00000002" in skipped[0]
+    fresh = make_state(1)
+    with ckpt.local_copy(chosen, endpoint) as directory:
+        assert ckpt.load_training_state(directory, *fresh, rank=0)[0]["step"] == 1
+    assert torch.equal(state[0][0].weight, fresh[0][0].weight)
+    ckpt.prune(run_dir, 1, keep=1, endpoint_url=endpoint)
+    assert not any("checkpoint_00000002" in k for k in storage.list_files(run_dir, (), endpoint))
