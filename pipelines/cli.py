@@ -1,4 +1,5 @@
-"""`mdc` command line. Configs are validated before Ray or any storage is touched."""
+"""`mdc` command line. Configs and inputs are checked before Ray starts; a user error is one line
+and exit code 2, a run in which everything failed exit code 1."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 
-from mdc.config import ConfigError, load_config
+from mdc.config import load_config
+from pipelines.console import VERBOSE_OPTION, Settings, console, report_failures, user_errors
 from pipelines.evaluate import eval_app
 from pipelines.scaling import scaling
 from pipelines.submit import submit
@@ -17,14 +18,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 data_app = typer.Typer(no_args_is_help=True, help="Write datasets as shards (local path or s3://).")
 app.add_typer(data_app, name="data")
 app.add_typer(eval_app, name="eval")
-console = Console()
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
-
-
-def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(2)
 
 
 @data_app.command("shapes")
@@ -57,25 +52,27 @@ def train(ctx: typer.Context,
           storage: Optional[str] = typer.Option(None, help="checkpoint storage URI (storage_uri)"),
           mlflow_uri: Optional[str] = None, name: Optional[str] = None,
           num_workers: Optional[int] = None, use_gpu: Optional[bool] = None,
-          address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local")):
+          address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
+          verbose: bool = VERBOSE_OPTION):
     """Pretrain on the current Ray cluster. Extra arguments are `section.key=value` overrides."""
+    Settings.verbose = verbose
     overrides = list(ctx.args)
     for key, value in {"data.train_uri": data, "storage_uri": storage, "mlflow_uri": mlflow_uri,
                        "name": name, "train.num_workers": num_workers, "train.use_gpu": use_gpu}.items():
         if value is not None:
             overrides.append(f"{key}={value}")
-    try:
-        cfg = load_config(config, overrides)
-    except ConfigError as err:
-        _fail(str(err))
-    from pipelines.runtime import connect_ray
-    from pipelines.train import run_training
+    with user_errors():
+        from pipelines.runtime import absolute_paths, check_inputs, ray_session, run_log_path
 
-    connect_ray(address)
-    summary = run_training(cfg)
+        cfg = absolute_paths(load_config(config, overrides))
+        check_inputs(cfg)
+        from pipelines.train import run_training  # torch and Ray Train: seconds, so after the checks
+
+        with ray_session(run_log_path(cfg), address, verbose):
+            summary = run_training(cfg)
     console.print(f"[green]done[/green] {summary.run_name}: loss {summary.metrics.get('loss', float('nan')):.4f}, "
                   f"checkpoint {summary.checkpoint_uri}, MLflow run {summary.mlflow_run_id}, "
-                  f"skipped {summary.skipped or 'none'}")
+                  f"skipped {summary.skipped or 'none'}", highlight=False)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -84,37 +81,37 @@ def tune(ctx: typer.Context,
          config: Path = typer.Option(DEFAULT_CONFIG, help="base run config"),
          samples: Optional[int] = typer.Option(None, help="trials for a random space"),
          max_concurrent: int = typer.Option(1, help="trials at once (1–2 on a 2-core machine)"),
-         address: Optional[str] = None):
+         address: Optional[str] = None, verbose: bool = VERBOSE_OPTION):
     """Sweep a search space with Ray Tune (ASHA); every trial an MLflow child run. Extra
     arguments are `section.key=value` overrides of the base config."""
-    from pipelines.search_space import load_space
+    Settings.verbose = verbose
+    with user_errors():
+        from pipelines.runtime import absolute_paths, check_inputs, ray_session
+        from pipelines.search_space import load_space
+        from pipelines.tune import run_sweep, sweep_folder
 
-    try:
-        base = load_config(config, list(ctx.args))
+        base = absolute_paths(load_config(config, list(ctx.args)))
         search_space = load_space(space, base)
-    except ConfigError as err:
-        _fail(str(err))
-    from pipelines.runtime import connect_ray
-    from pipelines.tune import run_sweep
-
-    connect_ray(address)
-    summary = run_sweep(search_space, base, samples, max_concurrent)
-    for row in summary.rows:
-        console.print(row)
+        check_inputs(base)
+        with ray_session(sweep_folder(base, search_space) / "ray.log", address, verbose):
+            summary = run_sweep(search_space, base, samples, max_concurrent)
+    report_failures("trial", len(summary.rows), summary.failures)
     console.print(f"[green]best[/green] {summary.best}\nMLflow parent run {summary.parent_run_id}: "
-                  f"mlflow ui --backend-store-uri {base.mlflow_uri}")
+                  f"mlflow ui --backend-store-uri {base.mlflow_uri}", highlight=False)
 
 
 @app.command()
 def demo(workdir: Path = typer.Option(Path("mdc-demo"), help="where runs, MLflow and the summary go"),
          num: Optional[int] = typer.Option(None, help="shapes images to generate (default: the demo's 9,000)"),
-         steps: Optional[int] = None):
+         steps: Optional[int] = None, verbose: bool = VERBOSE_OPTION):
     """The embedded default, end to end on this machine: local S3 server, shapes shards in a bucket,
-    2-worker Ray training, MLflow in SQLite, then a summary with sample captions."""
+    2-worker Ray training, MLflow in SQLite, then a summary with sample captions and report.html."""
     from pipelines.demo import DEMO_IMAGES, run_demo
 
+    Settings.verbose = verbose
     overrides = [f"train.steps={steps}"] if steps else []
-    run_demo(workdir, num=num or DEMO_IMAGES, overrides=overrides, console=console)
+    with user_errors():
+        run_demo(workdir, num=num or DEMO_IMAGES, overrides=overrides, verbose=verbose)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -127,22 +124,28 @@ def compare(ctx: typer.Context,
             caption_length: int = typer.Option(10, min=1, help="caption length N' for BLEU-4 / CIDEr-D"),
             limit: int = typer.Option(200, min=1, help="images per evaluation (captions, each compositionality subset)"),
             samples: int = typer.Option(8, min=1, help="Monte Carlo draws per caption score"),
-            address: Optional[str] = None):
+            address: Optional[str] = None, verbose: bool = VERBOSE_OPTION):
     """Train the objectives at one budget on one dataset; one table of probe and compositionality
     accuracy, BLEU-4/CIDEr-D, captions/s and training images/s (console, compare.md/.html, MLflow).
     Extra arguments are `section.key=value` overrides of the shared config."""
+    Settings.verbose = verbose
     names = [o.strip() for o in objectives.split(",") if o.strip()]
     overrides = [*ctx.args, *([f"train.steps={steps}"] if steps else [])]
-    try:
+    with user_errors():
+        from mdc.storage import check_reachable, join
+        from pipelines.compare import run_compare
+        from pipelines.runtime import absolute_uri, ray_session
+
+        base = load_config(config, overrides)
         for objective in names:  # every objective's config must be valid before anything trains
             load_config(config, [*overrides, f"objective.name={objective}"])
-    except ConfigError as err:
-        _fail(str(err))
-    from pipelines.compare import run_compare
-    from pipelines.runtime import connect_ray
-
-    connect_ray(address)
-    run_compare(names, workdir, data, config, overrides, name, caption_length, limit, samples, console=console)
+        if data:
+            data = absolute_uri(data)
+            check_reachable(join(data, "train"), base.data.endpoint_url)
+        workdir = workdir.resolve()
+        with ray_session(workdir / "ray.log", address, verbose):
+            run_compare(names, workdir, data, config, overrides, name, caption_length, limit, samples,
+                        console=console)
 
 
 EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}

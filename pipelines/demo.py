@@ -9,44 +9,36 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from rich.console import Console
 from rich.table import Table
 
 from mdc import shards
 from mdc.checkpoint import load_pretrained
 from mdc.config import load_config
 from mdc.datasets.shapes import write_shapes_dataset
-from mdc.images import preprocess_batch
-from mdc.evaluation.captioning import generate_captions
-from mdc.sampling import generate_autoregressive
-from mdc.tokenizer import CaptionTokenizer
+from mdc.evaluation import captioning
+from pipelines import reports
+from pipelines.console import console
 
 BUCKET = "mdc-demo"
 # Shapes images in the bucket: 600 steps of 2 x 16 images are ~2.4 passes over them. With 3,000 (~7
 # passes) the encoder memorises more than it learns: the probe beat random init by 0.07, against 0.2
 # with 9,000 (the demo recipe in one process, as tests/test_evaluation.py trains it).
 DEMO_IMAGES = 9000
+# Captions are written at the paper's fixed lengths that fit the demo's max_length of 16 tokens (its
+# 20 does not); the shapes captions are 4 to 12 tokens long.
+CAPTION_LENGTHS = (10, 15)
+HELD_OUT = 64  # held-out images captioned and scored (the console shows the first 8, the report all)
 
 
-def caption_samples(checkpoint_dir: str, data_uri: str, endpoint_url: str | None, n: int = 8) -> list[dict]:
-    """Captions written by the trained model for the first `n` held-out images, at the true length."""
+def caption_heldout(checkpoint_dir: str, data_uri: str, endpoint_url: str | None, n: int = HELD_OUT):
+    """(images, result) of the first `n` distinct held-out images captioned at the fixed N' of
+    CAPTION_LENGTHS (the model is not told the reference's length), with BLEU-4 and CIDEr-D per N';
+    (images, None) for a contrastive model, which writes no captions."""
     model, cfg = load_pretrained(checkpoint_dir)
+    images = captioning.group_by_image(shards.read_shards(data_uri, endpoint_url), n)
     if cfg.objective.name == "clip":
-        return []  # a contrastive model writes no captions
-    tokenizer = CaptionTokenizer(cfg.data.max_length)
-    samples = [s for _, s in zip(range(n), shards.read_shards(data_uri, endpoint_url))]
-    images, ok = preprocess_batch([s.image for s in samples], model.image_size)
-    images = torch.from_numpy(images)
-    rows = []
-    for sample, image in zip(samples, images):
-        length = int((tokenizer.encode([sample.caption]) != tokenizer.pad_id).sum())
-        if cfg.objective.name in ("ar", "cappa"):
-            tokens = generate_autoregressive(model, image[None])
-        else:  # masked or continuous diffusion, N' = the reference's length
-            tokens = generate_captions(model, image[None], cfg.objective.name, length)
-        rows.append({"key": sample.key, "reference": sample.caption, "generated": tokenizer.decode(tokens)[0]})
-    return rows
+        return images, None
+    return images, captioning.evaluate_captions(model, cfg.objective.name, images, CAPTION_LENGTHS)
 
 
 def evaluate_demo_model(checkpoint_dir: str, data_uri: str, endpoint_url: str, workdir: Path) -> dict:
@@ -69,11 +61,10 @@ def evaluate_demo_model(checkpoint_dir: str, data_uri: str, endpoint_url: str, w
             "compositionality_scorer": scorer_name, "compositionality": comp["accuracy"]}
 
 
-def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), console: Console | None = None) -> dict:
-    from pipelines.runtime import connect_ray, create_bucket, local_s3_server
+def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), verbose: bool = False) -> dict:
+    from pipelines.runtime import create_bucket, local_s3_server, ray_session
     from pipelines.train import run_training
 
-    console = console or Console()
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     with local_s3_server() as endpoint:
@@ -85,9 +76,11 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), c
         console.print(f"[bold]local S3 server[/bold] {endpoint}; writing {num} shapes images to {data_uri}")
         create_bucket(endpoint, BUCKET)
         write_shapes_dataset(data_uri, num=num, seed=cfg.train.seed, endpoint_url=endpoint)
-        connect_ray(num_cpus=2)
-        result = run_training(cfg)
-        captions = caption_samples(result.checkpoint_uri, f"{data_uri}/val", endpoint)
+        with ray_session(workdir / "ray.log", verbose=verbose, num_cpus=2):
+            result = run_training(cfg)
+        console.print(f"captioning {HELD_OUT} held-out images at N' = {', '.join(map(str, CAPTION_LENGTHS))}, "
+                      "probing the encoder, scoring compositionality")
+        images, captions = caption_heldout(result.checkpoint_uri, f"{data_uri}/val", endpoint)
         evaluation = evaluate_demo_model(result.checkpoint_uri, data_uri, endpoint, workdir)
 
     summary = {"run_name": result.run_name, "final_loss": result.metrics.get("loss"),
@@ -95,18 +88,47 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), c
                "checkpoint": result.checkpoint_uri, "mlflow_run_id": result.mlflow_run_id,
                "mlflow_uri": cfg.mlflow_uri, **evaluation, "captions": captions}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    table = Table(title="held-out captions (confidence sampler, N' = reference length)")
-    table.add_column("reference")
-    table.add_column("generated")
-    for row in captions:
-        table.add_row(row["reference"], row["generated"])
-    console.print(table)
+    report = write_report(workdir, cfg, result, evaluation, images, captions)
+    if captions:
+        lengths = list(captions["lengths"])
+        table = Table(title=f"held-out captions ({captions['sampler']} sampler, fixed N' = {', '.join(lengths)}: "
+                            "not told the reference's length)")
+        table.add_column("reference")
+        for n in lengths:
+            table.add_column(f"N' = {n}")
+        for entry in captions["captions"][:8]:
+            table.add_row(entry["references"][0], *(entry["generated"][n] for n in lengths))
+        console.print(table)
+        console.print(f"on {captions['num_images']} held-out images: " + "; ".join(
+            f"N' = {n}: BLEU-4 {m['bleu4']:.3f}, CIDEr-D {m['cider']:.3f}" for n, m in captions["lengths"].items()),
+            highlight=False)
     console.print(f"final loss {summary['final_loss']:.4f}, val loss {summary['val_loss']:.4f}, "
                   f"skipped {result.skipped or 'none'}")
     console.print(f"linear probe (shape of the first object, held out): {evaluation['probe_accuracy']:.3f} "
                   f"vs {evaluation['probe_random_init_accuracy']:.3f} at random init")
     console.print(f"compositionality ({evaluation['compositionality_scorer']}): "
                   + ", ".join(f"{k} {v:.3f}" for k, v in evaluation["compositionality"].items()))
-    console.print(f"checkpoint: {result.checkpoint_uri}\nMLflow: mlflow ui --backend-store-uri {cfg.mlflow_uri}"
-                  f" (run {result.mlflow_run_id})\nsummary: {workdir / 'summary.json'}")
+    console.print(f"report: {report}\ncheckpoint: {result.checkpoint_uri}\n"
+                  f"MLflow: mlflow ui --backend-store-uri {cfg.mlflow_uri} (run {result.mlflow_run_id})\n"
+                  f"summary: {workdir / 'summary.json'}", highlight=False)
     return summary
+
+
+def write_report(workdir: Path, cfg, result, evaluation: dict, images, captions: dict | None) -> Path:
+    """report.html (and curves.png) in the work folder, also an artifact of the training run: the
+    loss curves, the probe and compositionality tables, the held-out images beside their captions."""
+    from pipelines import tracking
+
+    tracking_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
+    curves = reports.curves_png(reports.metric_history(tracking_uri, result.mlflow_run_id), workdir / "curves.png",
+                                f"{cfg.name}: {cfg.train.steps} steps of {cfg.train.num_workers} x {cfg.train.batch_size}")
+    sections = [("Training", reports.image_html(curves, "training and validation loss")),
+                ("Linear probe and compositionality", reports.results_html(evaluation))]
+    if captions:
+        sections.append(("Held-out captions", reports.captions_html(
+            images, captions, f"Written at the paper's fixed lengths N' = {', '.join(captions['lengths'])}, "
+                              "not at each reference's own length.")))
+    path = workdir / "report.html"
+    path.write_text(reports.page(f"mdc demo: {cfg.name}", sections))
+    reports.log_artifacts(tracking_uri, result.mlflow_run_id, [path, curves])
+    return path

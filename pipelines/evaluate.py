@@ -10,7 +10,6 @@ small ones from a plain loop in this process.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import time
@@ -19,17 +18,15 @@ from typing import Callable, List, Optional
 
 import numpy as np
 import typer
-from rich.console import Console
-
 from mdc.evaluation import readers
-from mdc.storage import StorageError
+from pipelines.console import console
+from pipelines.console import user_errors as console_user_errors
 
 # torch, scikit-learn and MLflow take seconds to import: they are imported where used, so that
 # `mdc --help` and `mdc train` stay quick.
 
 EVAL_EXPERIMENT = "mdc-eval"
 eval_app = typer.Typer(no_args_is_help=True, help="Evaluate a checkpoint: probe, zeroshot, compositionality, captions, infill.")
-console = Console()
 
 CHECKPOINT = typer.Option(..., help="exported checkpoint directory (model.safetensors + config.yaml), local or s3://")
 ENDPOINT = typer.Option(None, help="S3 endpoint for s3:// checkpoints and data")
@@ -152,14 +149,9 @@ def report(result: dict, metrics: dict, out: Path, mlflow_uri: str, run_id: str 
         console.print(f"MLflow run {logged} ({mlflow_uri})")
 
 
-@contextlib.contextmanager
 def user_errors():
     """Bad inputs (missing files, fields, unknown names, unreachable storage) end with one line, exit 2."""
-    try:
-        yield
-    except (FileNotFoundError, readers.DatasetFormatError, StorageError, ValueError, RuntimeError) as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2)
+    return console_user_errors(FileNotFoundError, ValueError, RuntimeError)
 
 
 def load(checkpoint: str, endpoint_url: str | None, device: str):
@@ -289,7 +281,7 @@ def captions_command(
         batch_size: int = typer.Option(32, min=1),
         endpoint_url: Optional[str] = ENDPOINT, device: str = DEVICE,
         out: Path = typer.Option(Path("eval_captions.json")),
-        html: Optional[Path] = typer.Option(None, help="captions page (default: --out with .html)"),
+        html: Optional[Path] = typer.Option(None, help="captions page (default: report.html beside --out)"),
         mlflow_uri: str = MLFLOW_URI, run_id: Optional[str] = RUN_ID):
     """Write captions and score them: BLEU-4, CIDEr-D, captions per second, and an HTML page."""
     from mdc import shards
@@ -306,9 +298,13 @@ def captions_command(
         if result["skipped_lengths"]:
             console.print(f"[yellow]skipped lengths {result['skipped_lengths']}: above the model's "
                           f"max_length {cfg.data.max_length}[/yellow]")
-    html = html or out.with_suffix(".html")
+    from pipelines import reports
+
+    html = html or out.with_name("report.html")
     html.parent.mkdir(parents=True, exist_ok=True)
-    html.write_text(captioning.captions_html(images, result, f"{Path(checkpoint.rstrip('/')).name} on {data}"))
+    html.write_text(reports.page(f"{Path(checkpoint.rstrip('/')).name} on {data}", [
+        ("Held-out captions", reports.captions_html(images, result, f"Captions written at N' = {lengths}."))]))
+    console.print(f"report: {html}")
     metrics = {f"eval/captions/N{n}/{k}": v for n, m in result["lengths"].items() for k, v in m.items()}
     report(result, metrics, out, mlflow_uri, run_id, run_name("captions", Path(data.rstrip("/")).name, checkpoint),
            {"checkpoint": checkpoint, "data": data, "sampler": sampler, "lengths": lengths,

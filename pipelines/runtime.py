@@ -1,31 +1,207 @@
-"""Where the job runs: an existing Ray cluster, or a local one; a local S3-compatible server."""
+"""Where the job runs: an existing Ray cluster, or a local one; a local S3-compatible server.
+Also what the driver settles before any worker starts: absolute local paths, and where Ray's own
+output goes (a log file, unless --verbose)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import subprocess
 import sys
 import time
+import traceback
+from pathlib import Path
 
 import ray
+import typer
+
+from mdc import storage
+from mdc.config import RunConfig
+from pipelines.console import RunFailed, UserError, console, first_line_of, user_error_types
+
+PROBE_TIMEOUT_S = 3.0
+ROUTED_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "mlflow")
+
+
+def _answers(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    return (host, int(port)) if host and port.isdigit() else None
 
 
 def connect_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Join the cluster at `address` (or RAY_ADDRESS, or a running local head), else start a local
-    instance. Idempotent."""
+    """Join the cluster at `address` (or RAY_ADDRESS), or the one Ray's current-cluster file names,
+    else start a local instance. Idempotent. Decides in seconds: a named address that does not
+    answer is a UserError; a stale current-cluster file (its head is gone) is said in one line
+    and a local instance is started. Other clusters merely running on this machine are not joined."""
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
+    named = address or os.environ.get("RAY_ADDRESS")
+    if named and named not in ("auto", "local"):
+        target = _host_port(named)
+        if target and not _answers(*target):
+            raise UserError(f"no Ray cluster answers at {named} (TCP {target[0]}:{target[1]} refused or timed "
+                            f"out in {PROBE_TIMEOUT_S:.0f} s): start it (`ray start --head`) or drop --address / "
+                            "RAY_ADDRESS to run on a local instance")
+        ray.init(address=named)
+        _LogRoute.install()
         return
+    recorded = ray._private.utils.read_ray_address()  # what the last `ray start` wrote
+    if named != "local" and recorded:
+        target = _host_port(recorded)
+        if target and _answers(*target):
+            ray.init(address=recorded)
+            _LogRoute.install()
+            return
+        console.print(f"Ray's current-cluster file names {recorded}, where nothing answers: starting a local "
+                      "Ray instance")
+    ray.init(address="local", num_cpus=num_cpus, object_store_memory=512 * 1024**2, include_dashboard=True)
+    _LogRoute.install()
+
+
+def absolute_uri(uri: str | None) -> str | None:
+    """A local path made absolute; URIs (s3://, sqlite://, ...) and None unchanged."""
+    if uri is None or "://" in uri:
+        return uri
+    return str(Path(uri).expanduser().resolve())
+
+
+def absolute_paths(cfg: RunConfig) -> RunConfig:
+    """The config with every local path absolute (data, storage, MLflow store): workers and Tune
+    trials run in other working directories, so a relative path would name another place there."""
+    from pipelines import tracking  # MLflow takes seconds to import: not before a user error
+
+    raw = cfg.model_dump()
+    raw["storage_uri"] = absolute_uri(raw["storage_uri"])
+    raw["mlflow_uri"] = tracking.absolute_tracking_uri(raw["mlflow_uri"])
+    for key in ("train_uri", "val_uri"):
+        raw["data"][key] = absolute_uri(raw["data"][key])
+    return RunConfig.model_validate(raw)
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Fail in seconds, before any cluster work, when the data or the checkpoint store cannot be
+    reached: a StorageError that names the config field, the location and what was expected."""
+    data = cfg.data
+    for field_name, uri in (("data.train_uri", data.train_uri), ("data.val_uri", data.val_uri)):
+        if uri is None:
+            continue
+        try:
+            storage.check_reachable(uri, data.endpoint_url)
+        except storage.StorageError as err:
+            raise storage.StorageError(f"{field_name}: {err} (expected a folder of .tar or .parquet shards)") from None
+    if storage.is_s3(cfg.storage_uri):
+        try:
+            storage.check_reachable(cfg.storage_uri, data.endpoint_url, must_exist=False)
+        except storage.StorageError as err:
+            raise storage.StorageError(f"storage_uri: {err}") from None
+
+
+def run_log_path(cfg: RunConfig) -> Path:
+    """Where Ray's output for this run goes: beside its checkpoints when they are local, else in
+    ./mdc-logs (checkpoints in S3)."""
+    folder = Path(cfg.storage_uri) / cfg.name if "://" not in cfg.storage_uri else Path("mdc-logs") / cfg.name
+    return folder.resolve() / "ray.log"
+
+
+class _LogRoute:
+    """The active redirection of the workers' forwarded output (at most one per process)."""
+
+    handler = None  # called with each batch of forwarded lines
+    replaced = False  # Ray's own printer was taken out and must be put back
+
+    @classmethod
+    def install(cls) -> None:
+        """Swap Ray's printer of forwarded worker output for ours; Ray adds its printer in ray.init,
+        so this runs on entering ray_output_to and again after connect_ray."""
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        if cls.handler is None or not ray.is_initialized():
+            return
+        cls.replaced |= any(name == "ray_print_logs" for name, _ in dispatcher.handlers)
+        dispatcher.remove_handler("ray_print_logs")
+        dispatcher.remove_handler("mdc_log_file")
+        dispatcher.add_handler("mdc_log_file", cls.handler)
+
+    @classmethod
+    def uninstall(cls) -> None:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+        from ray._private.worker import print_to_stdstream
+
+        dispatcher.remove_handler("mdc_log_file")
+        if cls.replaced:
+            dispatcher.add_handler("ray_print_logs", lambda data: print_to_stdstream(data, ignore_prefix=False))
+        cls.handler, cls.replaced = None, False
+
+
+@contextlib.contextmanager
+def ray_output_to(log_file: Path):
+    """While inside, Ray's output goes to `log_file` instead of the console: the workers' forwarded
+    stdout/stderr, Ray's (and MLflow's) Python loggers in this process, Ray Data's progress bars,
+    and what Ray's C++ core writes to this process's stderr (fd 2; Python's sys.stderr stays on the
+    console). Lines that workers print with an `[mdc] ` prefix (rank 0's notices) still reach the
+    console, once each."""
+    import ray.data
+
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    sink = open(log_file, "a", buffering=1)
+    last_shown = [None]
+
+    def route(data: dict) -> None:
+        who = data.get("actor_name") or data.get("task_name") or ""
+        for line in data.get("lines", []):
+            sink.write(f"({who} pid={data.get('pid')}) {line}\n")
+            if line.startswith("[mdc] ") and line != last_shown[0]:  # Train V2 forwards each line twice
+                last_shown[0] = line
+                console.print(line.removeprefix("[mdc] "), markup=False, highlight=False)
+
+    handler = logging.StreamHandler(sink)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    swapped = []
+    for name in ROUTED_LOGGERS:
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if type(h) in (logging.StreamHandler,) or
+                    type(h).__name__ == "PlainRayHandler"]:
+            logger.removeHandler(old)
+            swapped.append((logger, old))
+        if name == "ray" or not logger.propagate:
+            logger.addHandler(handler)
+            swapped.append((logger, None))
+    data_context = ray.data.DataContext.get_current()
+    bars = data_context.enable_progress_bars
+    data_context.enable_progress_bars = False
+    _LogRoute.handler = route
+    _LogRoute.install()
+    sys.stderr.flush()
+    saved_fd2, real_stderr = os.dup(2), sys.stderr
+    os.dup2(sink.fileno(), 2)
+    sys.stderr = os.fdopen(os.dup(saved_fd2), "w", buffering=1)
     try:
-        ray.init(address="auto")
-    except ConnectionError:
-        ray.init(num_cpus=num_cpus, object_store_memory=512 * 1024**2, include_dashboard=True)
+        yield log_file
+    finally:
+        sys.stderr.flush()
+        sys.stderr.close()
+        sys.stderr = real_stderr
+        os.dup2(saved_fd2, 2)
+        os.close(saved_fd2)
+        _LogRoute.uninstall()
+        data_context.enable_progress_bars = bars
+        for logger, old in swapped:
+            if old is None:
+                logger.removeHandler(handler)
+            else:
+                logger.addHandler(old)
+        sink.close()
 
 
 def _free_port() -> int:
@@ -68,3 +244,25 @@ def create_bucket(endpoint_url: str, bucket: str) -> None:
     client = boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1")
     with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
         client.create_bucket(Bucket=bucket)
+
+
+@contextlib.contextmanager
+def ray_session(log_file: Path, address: str | None = None, verbose: bool = False, num_cpus: int | None = None):
+    """Connected to Ray for the duration, with Ray's output in `log_file` (said on the console
+    first) unless `verbose`. Then an error that is not the user's becomes RunFailed, one line,
+    its traceback appended to `log_file`."""
+    if verbose:
+        connect_ray(address, num_cpus)
+        yield
+        return
+    console.print(f"Ray's own output goes to {log_file} (--verbose shows it here)", highlight=False)
+    with ray_output_to(log_file):
+        try:
+            connect_ray(address, num_cpus)
+            yield
+        except Exception as err:
+            if isinstance(err, (typer.Exit, *user_error_types())):
+                raise
+            with open(log_file, "a") as log:
+                traceback.print_exc(file=log)
+            raise RunFailed(f"{type(err).__name__}: {first_line_of(err)} (traceback in {log_file})") from err

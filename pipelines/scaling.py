@@ -23,23 +23,24 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Optional
 
+import traceback
+
 import pyarrow.fs as pafs
 import typer
-from rich.console import Console
 
 from mdc import shards, storage
-from mdc.config import ConfigError, RunConfig, build_config, load_config
-
-console = Console(soft_wrap=True)
+from mdc.config import RunConfig, build_config, load_config
+from pipelines.console import (VERBOSE_OPTION, Settings, UserError, console, first_line_of, report_failures,
+                               user_errors)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9}
-RESULTS = "results.json"
+RESULTS, ERROR = "results.json", "error.txt"
 CURVE, TABLE_CSV, TABLE_MD = "scaling_curve.png", "scaling.csv", "scaling.md"
 COLUMNS = ("size", "run_name", "fraction", "steps", "pairs_seen", "probe_accuracy", "mlflow_run_id", "checkpoint_uri")
 
 
-class ScalingError(ValueError):
+class ScalingError(UserError):
     """Sizes or a dataset manifest the experiment cannot use; the message names the value or file."""
 
 
@@ -176,8 +177,11 @@ def write_report(rows: list[dict], directory: Path, title: str) -> list[Path]:
     return paths
 
 
-def run_scaling(base: RunConfig, sizes: list[int], total: int, name: str, probe: Probe) -> list[dict]:
-    """Train and probe every size that has no result yet; returns one row per size."""
+def run_scaling(base: RunConfig, sizes: list[int], total: int, name: str, probe: Probe
+                ) -> tuple[list[dict], list[tuple[str, str, str]]]:
+    """Train and probe every size that has no result yet; returns one row per finished size and
+    the failed ones as (run name, error line, where its traceback is). A failed size does not stop
+    the others; its traceback goes to STORAGE/NAME-SIZE/error.txt."""
     from mlflow.tracking import MlflowClient
 
     from pipelines import tracking
@@ -189,7 +193,7 @@ def run_scaling(base: RunConfig, sizes: list[int], total: int, name: str, probe:
     params = {"sizes": ",".join(map(str, sizes)), "total": total, "train_uri": base.data.train_uri,
               "subset_salt": base.data.subset_salt, "steps": base.train.steps, "pairs_seen": pairs_seen(base)}
     parent = tracking.get_or_create_run(mlflow_uri, base.experiment, name, params)
-    rows = []
+    rows, failures = [], []
     try:
         for size in sizes:
             cfg = size_config(base, name, size, total)
@@ -201,8 +205,15 @@ def run_scaling(base: RunConfig, sizes: list[int], total: int, name: str, probe:
                 continue
             # Created here with the parent tag; run_training finds it by name and logs into it.
             tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id=parent)
-            summary = run_training(cfg)
-            accuracy = probe(summary.checkpoint_uri)
+            try:
+                summary = run_training(cfg)
+                accuracy = probe(summary.checkpoint_uri)
+            except Exception as err:
+                error_uri = storage.join(cfg.storage_uri, cfg.name, ERROR)
+                storage.write_bytes(error_uri, traceback.format_exc().encode(), endpoint)
+                failures.append((cfg.name, first_line_of(err), error_uri))
+                console.print(f"{cfg.name}: failed: {first_line_of(err)}", highlight=False)
+                continue
             client.log_metric(summary.mlflow_run_id, f"eval/probe/{probe.dataset}/accuracy", accuracy)
             client.log_metric(parent, "scaling/probe_accuracy", accuracy, step=size)
             row = {"size": size, "run_name": cfg.name, "fraction": cfg.data.subset_fraction,
@@ -213,14 +224,15 @@ def run_scaling(base: RunConfig, sizes: list[int], total: int, name: str, probe:
             rows.append(row)
         title = f"{name}: {pairs_seen(base)} pairs seen per model ({base.train.steps} steps)"
         with tempfile.TemporaryDirectory() as directory:
-            for path in write_report(rows, Path(directory), title):
+            for path in write_report(rows, Path(directory), title) if rows else []:
                 client.log_artifact(parent, str(path), artifact_path="scaling")
-            console.print(Path(directory, TABLE_MD).read_text(), markup=False)
+            if rows:
+                console.print(Path(directory, TABLE_MD).read_text(), markup=False)
     except BaseException:
         tracking.finish_run(mlflow_uri, parent, "FAILED")
         raise
-    tracking.finish_run(mlflow_uri, parent)
-    return rows
+    tracking.finish_run(mlflow_uri, parent, "FAILED" if failures else "FINISHED")
+    return rows, failures
 
 
 def scaling(ctx: typer.Context,
@@ -235,27 +247,30 @@ def scaling(ctx: typer.Context,
                                                      "dataset that holds --data)"),
             storage_uri: Optional[str] = typer.Option(None, "--storage", help="checkpoint storage URI (storage_uri)"),
             mlflow_uri: Optional[str] = None,
-            address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local")):
+            address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
+            verbose: bool = VERBOSE_OPTION):
     """Dataset scaling: one model per nested subset size, the same steps each, probed; a size with a
     stored result is skipped. Extra arguments are `section.key=value` overrides; the validation split
     is the `val` beside --data when the manifest lists one, unless `data.val_uri=` is given."""
-    overrides = [f"data.train_uri={data}"]
-    overrides += [f"{k}={v}" for k, v in {"storage_uri": storage_uri, "mlflow_uri": mlflow_uri}.items() if v]
-    try:
-        base = load_config(config, overrides + list(ctx.args))
+    Settings.verbose = verbose
+    with user_errors():
+        from pipelines.runtime import absolute_paths, absolute_uri, check_inputs, ray_session
+
+        data = absolute_uri(data)
+        overrides = [f"data.train_uri={data}"]
+        overrides += [f"{k}={v}" for k, v in {"storage_uri": storage_uri, "mlflow_uri": mlflow_uri}.items() if v]
+        base = absolute_paths(load_config(config, overrides + list(ctx.args)))
         size_list = parse_sizes(sizes)
         manifest_uri, manifest = read_dataset_manifest(parent_uri(data), base.data.endpoint_url)
         total = total or split_total(data, manifest_uri, manifest)
         for size in size_list:
             subset_fraction(size, total)
-        probe = Probe(probe_dataset, probe_data or parent_uri(data), base.data.endpoint_url)
+        probe = Probe(probe_dataset, absolute_uri(probe_data) or parent_uri(data), base.data.endpoint_url)
         probe.check()
-    except (ConfigError, ScalingError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2)
-    if "val" in manifest.get("splits", {}) and not any(arg.startswith("data.val_uri=") for arg in ctx.args):
-        base.data.val_uri = storage.join(parent_uri(data), "val")
-    from pipelines.runtime import connect_ray
-
-    connect_ray(address)
-    run_scaling(base, size_list, total, name, probe)
+        if "val" in manifest.get("splits", {}) and not any(arg.startswith("data.val_uri=") for arg in ctx.args):
+            base.data.val_uri = storage.join(parent_uri(data), "val")
+        check_inputs(base)
+        log = (Path(base.storage_uri) if "://" not in base.storage_uri else Path("mdc-logs")).resolve() / name
+        with ray_session(log / "ray.log", address, verbose):
+            rows, failures = run_scaling(base, size_list, total, name, probe)
+    report_failures("size", len(size_list), failures)

@@ -11,6 +11,7 @@ already written; the completion marker in storage is the one record of what can 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -32,8 +33,10 @@ from mdc.objectives import compute_loss
 from mdc.parallel import apply_fsdp
 from mdc.tokenizer import CaptionTokenizer
 from mdc.training import EMA, build_optimizer, build_scheduler, train_step
-from pipelines import tracking
+from pipelines import progress, reports, tracking
+from pipelines.console import console
 from pipelines.ingest import SkipCounter, build_dataset
+from pipelines.runtime import absolute_paths, check_inputs
 
 
 @dataclass
@@ -139,9 +142,10 @@ def train_loop(loop_config: dict) -> None:
         step, epoch = state["step"], state["epoch"] + 1  # a resumed run starts a fresh epoch
 
     restored_norm = param_norm(model) if restored is not None else None
-    logger = None
+    logger = reporter = None
     if rank == 0:
         logger = tracking.MetricLogger(loop_config["mlflow_uri"], loop_config["mlflow_run_id"])
+        reporter = progress.Reporter(loop_config["progress"], cfg.name, tc.steps)
         if restored is not None:
             logger.log({"resumed_from_step": step, "resumed_param_norm": restored_norm}, step)
             logger.client.set_tag(logger.run_id, "resumed_from", restored)
@@ -172,6 +176,8 @@ def train_loop(loop_config: dict) -> None:
             metrics["epoch"] = epoch
             if val_batches and (step % tc.val_every == 0 or step == tc.steps):
                 last_val = validation_loss(model, val_batches, cfg.objective, tc.seed, device)
+                if reporter is not None:
+                    reporter.note(f"validation at step {step}: val_loss {last_val:.4f}")
             if last_val is not None:  # every report carries the latest, for early stopping
                 metrics["val_loss"] = last_val
             if logger is not None:
@@ -183,8 +189,8 @@ def train_loop(loop_config: dict) -> None:
                 if logger is not None:
                     logger.log({k: metrics[k] for k in ("images_per_s", "tokens_per_s")}, step)
                     logger.flush()
-                    print(f"[mdc] step {step}/{tc.steps} loss {metrics['loss']:.4f} "
-                          f"lr {metrics['lr']:.2e} {metrics['images_per_s']:.1f} img/s", flush=True)
+            if reporter is not None:
+                reporter.step(step, metrics, logged=step % tc.log_every == 0 or step == tc.steps)
             if step % tc.checkpoint_every == 0 or step == tc.steps:
                 if logger is not None:
                     logger.flush()  # every step up to a checkpoint is in MLflow before it exists
@@ -192,6 +198,8 @@ def train_loop(loop_config: dict) -> None:
                                  {"step": step, "epoch": epoch, "metrics": {**metrics, "step": step}},
                                  extra_state, rank, fault)
                 ray.train.report({**metrics, "step": step})
+                if reporter is not None:
+                    reporter.note(f"checkpoint at step {step}")
             elif step % tc.log_every == 0:
                 ray.train.report({**metrics, "step": step})
             if step >= tc.steps:
@@ -256,14 +264,37 @@ def storage_for(uri: str, endpoint_url: str | None):
 
 
 def run_training(cfg: RunConfig, fault: Fault | None = None, parent_run_id: str | None = None,
-                 callbacks: list | None = None) -> TrainSummary:
-    """Driver: fails fast on unreachable storage, then trains and returns where everything went.
-    `parent_run_id` nests the MLflow run under a sweep; `callbacks` go to Ray Train (e.g. Tune's)."""
+                 callbacks: list | None = None, channel=None) -> TrainSummary:
+    """Driver: fails fast on bad inputs, then trains and returns where everything went.
+    `parent_run_id` nests the MLflow run under a sweep; `callbacks` go to Ray Train (e.g. Tune's).
+    `channel` (a progress.ProgressChannel) is given by a caller that shows several runs at once (a
+    sweep); without one, the run draws its own progress display on the console."""
+    cfg = absolute_paths(cfg)
+    check_inputs(cfg)
+    own_display = channel is None
+    channel = channel or progress.open_channel()
+    with progress.ProgressDisplay(channel, console) if own_display else contextlib.nullcontext():
+        summary = _train(cfg, fault, parent_run_id, callbacks, channel)
+        log_training_report(cfg, summary, progress.Reporter(channel, cfg.name, cfg.train.steps))
+    return summary
+
+
+def log_training_report(cfg: RunConfig, summary: TrainSummary, reporter: progress.Reporter) -> None:
+    """The loss curves and a page of held-out captions, as artifacts of the run's MLflow run. A
+    failure here is reported and leaves the finished training as it is."""
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            paths = reports.training_report(cfg, summary, Path(directory))
+            reports.log_artifacts(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id, paths)
+    except Exception as err:
+        reporter.note(f"no training report: {type(err).__name__}: {err}", warning=True)
+
+
+def _train(cfg: RunConfig, fault: Fault | None, parent_run_id: str | None, callbacks: list | None,
+           channel) -> TrainSummary:
     data = cfg.data
-    for uri in filter(None, [data.train_uri, data.val_uri]):
-        storage.check_reachable(uri, data.endpoint_url)
-    if cfg.storage_uri.startswith("s3://"):
-        storage.check_reachable(cfg.storage_uri, data.endpoint_url, must_exist=False)
+    driver = progress.Reporter(channel, cfg.name, cfg.train.steps)
+    driver.note(f"preparing data ({data.train_uri}) and {cfg.train.num_workers} training workers")
     mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
     run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id)
 
@@ -284,7 +315,7 @@ def run_training(cfg: RunConfig, fault: Fault | None = None, parent_run_id: str 
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"cfg": cfg.model_dump(), "mlflow_uri": mlflow_uri, "mlflow_run_id": run_id,
-                           "run_dir": run_dir, "fault": fault.__dict__ if fault else None},
+                           "run_dir": run_dir, "fault": fault.__dict__ if fault else None, "progress": channel},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if cfg.train.use_gpu else {})}),
@@ -301,6 +332,9 @@ def run_training(cfg: RunConfig, fault: Fault | None = None, parent_run_id: str 
         tracking.finish_run(mlflow_uri, run_id, "FAILED")
         raise
     skipped = ray.get(counter.get.remote())
+    if skipped:
+        driver.note(f"skipped {sum(skipped.values())} bad records: "
+                    + ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())), warning=True)
     logger = tracking.MetricLogger(mlflow_uri, run_id)
     logger.log({f"skipped/{reason}": n for reason, n in skipped.items()} | {"skipped/total": sum(skipped.values())},
                cfg.train.steps)

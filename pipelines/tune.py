@@ -5,6 +5,8 @@ Train V2 pattern: a Tune trial is a driver function that builds its own `TorchTr
 loss while the trial trains. When training ends the trial probes its encoder on the held-out split;
 trials are ranked by that probe. MLflow: one parent run per sweep, one child per trial, and on the
 parent a results table and a plot. Relaunching the same sweep resumes it (`Tuner.restore`).
+Local paths are made absolute in the driver (trials run in Tune's trial folders), and every trial's
+rank 0 reports its progress to one display on the driver's console.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from mdc.checkpoint import load_pretrained
 from mdc.config import RunConfig, apply_overrides, build_config
 from mdc.evaluation.probe import probe_shapes
-from pipelines import tracking
+from pipelines import progress, tracking
+from pipelines.console import console, first_line_of
+from pipelines.runtime import absolute_paths
 from pipelines.search_space import SearchSpace, _copy, to_override_list
 from pipelines.train import run_training, storage_for
 
@@ -37,6 +41,7 @@ class SweepSummary:
     rows: list[dict]
     best: dict | None
     artifacts: list[str]
+    failures: list[tuple[str, str, str]]  # (trial, its error's line, where the full error is)
 
 
 def dataset_root(train_uri: str) -> str:
@@ -48,16 +53,23 @@ def sweep_name(base_cfg: RunConfig, space: SearchSpace) -> str:
     return f"{base_cfg.name}-{space.name}"
 
 
+def sweep_folder(base_cfg: RunConfig, space: SearchSpace) -> Path:
+    """The sweep's local folder (Ray Tune's experiment folder, or ./mdc-logs for S3 storage)."""
+    if "://" in base_cfg.storage_uri:
+        return Path("mdc-logs", sweep_name(base_cfg, space)).resolve()
+    return Path(base_cfg.storage_uri, "sweeps", sweep_name(base_cfg, space)).resolve()
+
+
 def trial_run_name(sweep: str, trial_id: str) -> str:
     """A trial's run name: its Ray Train run and its MLflow child run."""
     return f"{sweep}-{trial_id}"
 
 
-def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str) -> None:
+def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str, channel) -> None:
     point = config["point"]
     cfg = build_config(apply_overrides(_copy(base), to_override_list(point)))
     cfg.name = trial_run_name(sweep, tune.get_context().get_trial_id())
-    summary = run_training(cfg, parent_run_id=parent_run_id, callbacks=[TuneReportCallback()])
+    summary = run_training(cfg, parent_run_id=parent_run_id, callbacks=[TuneReportCallback()], channel=channel)
     model, _ = load_pretrained(summary.checkpoint_uri, endpoint_url=cfg.data.endpoint_url)
     probe = probe_shapes(model, dataset_root(cfg.data.train_uri), cfg.data.endpoint_url)
     final = {"probe_accuracy": probe["accuracy"], "val_loss": summary.metrics.get("val_loss"),
@@ -67,15 +79,17 @@ def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str) -> None:
     logger.flush()
     MlflowClient(tracking.absolute_tracking_uri(cfg.mlflow_uri)).set_tag(
         summary.mlflow_run_id, "checkpoint", summary.checkpoint_uri)
+    progress.Reporter(channel, cfg.name, cfg.train.steps).note(f"probe accuracy {probe['accuracy']:.3f}")
     tune.report({**{k: v for k, v in final.items() if v is not None}, "trial_completed": True})
 
 
 def build_tuner(space: SearchSpace, base_cfg: RunConfig, parent_run_id: str, num_samples: int | None,
-                max_concurrent: int) -> tune.Tuner:
+                max_concurrent: int, channel, verbose: bool = False) -> tune.Tuner:
     base = base_cfg.model_dump()
     sweep = sweep_name(base_cfg, space)
     trainable = tune.with_resources(  # the trial function only drives its trainer: a sliver of CPU
-        tune.with_parameters(run_trial, base=base, parent_run_id=parent_run_id, sweep=sweep), {"CPU": 0.05})
+        tune.with_parameters(run_trial, base=base, parent_run_id=parent_run_id, sweep=sweep, channel=channel),
+        {"CPU": 0.05})
     path, filesystem = storage_for(posixpath.join(base_cfg.storage_uri, "sweeps"), base_cfg.data.endpoint_url)
     experiment = posixpath.join(path, sweep)
     if tune.Tuner.can_restore(experiment, storage_filesystem=filesystem):
@@ -93,7 +107,8 @@ def build_tuner(space: SearchSpace, base_cfg: RunConfig, parent_run_id: str, num
         trainable, param_space=param_space,
         tune_config=tune.TuneConfig(metric=space.metric, mode=space.mode, num_samples=samples,
                                     max_concurrent_trials=max_concurrent, scheduler=scheduler),
-        run_config=tune.RunConfig(name=sweep, storage_path=path, storage_filesystem=filesystem),
+        run_config=tune.RunConfig(name=sweep, storage_path=path, storage_filesystem=filesystem,
+                                  verbose=1 if verbose else 0),  # its status tables; our display instead
     )
 
 
@@ -107,7 +122,8 @@ def results_rows(results: tune.ResultGrid, space: SearchSpace) -> list[dict]:
                      "iterations": metrics.get("training_iteration", 0),
                      "stopped_early": not metrics.get("trial_completed", False) and result.error is None,
                      space.metric: metrics.get(space.metric), space.rank_by: metrics.get(space.rank_by),
-                     "error": str(result.error)[:200] if result.error else ""})
+                     "error": first_line_of(result.error)[:300] if result.error else "",
+                     "error_file": posixpath.join(result.path, "error.txt") if result.error else ""})
     return rows
 
 
@@ -161,14 +177,17 @@ def mark_stopped_trials(client: MlflowClient, parent_run_id: str, sweep: str, ro
 
 
 def run_sweep(space: SearchSpace, base_cfg: RunConfig, num_samples: int | None = None,
-              max_concurrent: int = 1) -> SweepSummary:
+              max_concurrent: int = 1, verbose: bool = False) -> SweepSummary:
+    base_cfg = absolute_paths(base_cfg)
     mlflow_uri = tracking.absolute_tracking_uri(base_cfg.mlflow_uri)
     sweep = sweep_name(base_cfg, space)
     parent = tracking.get_or_create_run(
         mlflow_uri, base_cfg.experiment, f"sweep-{sweep}",
         {"space": space.model_dump(include={"name", "search", "metric", "mode", "rank_by"}),
          "base": base_cfg.model_dump()})
-    results = build_tuner(space, base_cfg, parent, num_samples, max_concurrent).fit()
+    channel = progress.open_channel()
+    with progress.ProgressDisplay(channel, console):
+        results = build_tuner(space, base_cfg, parent, num_samples, max_concurrent, channel, verbose).fit()
     rows = results_rows(results, space)
     client = MlflowClient(mlflow_uri)
     mark_stopped_trials(client, parent, sweep, rows)
@@ -183,5 +202,7 @@ def run_sweep(space: SearchSpace, base_cfg: RunConfig, num_samples: int | None =
     if best:
         client.log_metric(parent, f"best_{space.rank_by}", best[space.rank_by])
     tracking.finish_run(mlflow_uri, parent)
-    return SweepSummary(parent, rows, best, [p.name for p in paths])
+    failures = [(r["trial_id"] or posixpath.basename(posixpath.dirname(r["error_file"])), r["error"], r["error_file"])
+                for r in rows if r["error"]]
+    return SweepSummary(parent, rows, best, [p.name for p in paths], failures)
 

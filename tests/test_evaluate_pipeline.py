@@ -69,7 +69,8 @@ def test_every_command_writes_json_and_logs_to_mlflow(checkpoint, shapes_dir, tm
     assert sugarcrepe["scorer"] == "montecarlo" and set(sugarcrepe["accuracy"]) == {"swap_obj", "swap_att"}
     captions = json.loads((tmp_path / "captions.json").read_text())
     assert list(captions["lengths"]) == ["4", "8"] and captions["skipped_lengths"] == [20]
-    assert "data:image/png;base64," in (tmp_path / "captions.html").read_text()
+    report = (tmp_path / "report.html").read_text()
+    assert report.count('class="caption-image"') == 3 and "CIDEr-D" in report  # one image per captioned image
 
     client = MlflowClient(tracking.absolute_tracking_uri(mlflow_uri))
     runs = client.search_runs([client.get_experiment_by_name(EVAL_EXPERIMENT).experiment_id])
@@ -79,7 +80,7 @@ def test_every_command_writes_json_and_logs_to_mlflow(checkpoint, shapes_dir, tm
     assert {"eval/sugarcrepe/macro", "eval/captions/N8/cider", "eval/zeroshot/shapes/accuracy"} <= set(metrics)
     captions_run = next(r for r in runs if "eval/captions/N4/bleu4" in r.data.metrics)
     assert {a.path for a in client.list_artifacts(captions_run.info.run_id, "eval")} == \
-        {"eval/captions.json", "eval/captions.html"}
+        {"eval/captions.json", "eval/report.html"}
 
 
 def test_results_go_into_the_training_run_with_run_id(checkpoint, shapes_dir, tmp_path):

@@ -18,6 +18,7 @@ from PIL import Image
 from mdc import shards
 from mdc.evaluation import captioning, compositionality as comp, probe, readers, zeroshot
 from mdc.evaluation.readers import DatasetFormatError
+from pipelines import reports
 
 
 def png(colour=(255, 0, 0), size=8) -> bytes:
@@ -421,5 +422,5 @@ def test_zeroshot_and_captions_run_on_the_trained_model(trained, shapes_data):
     captions = captioning.evaluate_captions(model, "mdc", images, lengths=(8, 20), batch_size=8)
     assert captions["skipped_lengths"] == [20] and list(captions["lengths"]) == ["8"]
     assert captions["lengths"]["8"]["captions_per_s"] > 0 and len(captions["captions"]) == 8
-    page = captioning.captions_html(images, captions)
+    page = reports.captions_html(images, captions)
     assert page.count("data:image/png;base64,") == 8 and "BLEU-4" in page

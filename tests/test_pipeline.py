@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from mdc import shards, storage
 from mdc.config import load_config
 from mdc.datasets.shapes import write_shapes_dataset
+from pipelines.runtime import ray_output_to
 from pipelines.train import Fault, run_training
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
@@ -69,7 +70,7 @@ def shards_png(i: int) -> bytes:
     return buf.getvalue()
 
 
-def test_fsdp_training_from_bucket_counts_bad_records(ray_cluster, s3_server, tmp_path):
+def test_fsdp_training_from_bucket_counts_bad_records(ray_cluster, s3_server, tmp_path, capfd):
     bucket = s3_server.make_bucket("train-from-s3")
     write_shapes_dataset(f"{bucket}/shapes", num=300, seed=0, endpoint_url=s3_server.endpoint_url,
                          samples_per_shard=50)
@@ -77,7 +78,16 @@ def test_fsdp_training_from_bucket_counts_bad_records(ray_cluster, s3_server, tm
     cfg = tiny_config(tmp_path, "s3-run", f"{bucket}/shapes/train", f"{bucket}/shapes/val",
                       s3_server.endpoint_url, storage_uri=f"{bucket}/checkpoints",
                       steps=40, checkpoint_every=20, log_every=10, val_every=20)
-    summary = run_training(cfg)
+    with ray_output_to(tmp_path / "ray.log"):
+        summary = run_training(cfg)
+        console = "".join(capfd.readouterr())
+
+    # What a person sees: the progress lines and the warning, none of Ray's internals.
+    for internal in ("core_worker.cc", "Reporting training result", "Running Dataset", "RayTrainWorker"):
+        assert internal not in console, console
+    assert len(console.splitlines()) < 60, console
+    assert "s3-run step 40/40" in console and "skipped" in console and "checkpoint at step 20" in console
+    assert "Reporting training result" in (tmp_path / "ray.log").read_text()
 
     losses = [v for _, v in metric_steps(cfg, summary.mlflow_run_id)]
     assert len(losses) == 40

@@ -1,6 +1,7 @@
 """Sweeps: a 4-trial Ray Tune sweep of the tiny model, ASHA, MLflow parent/children and artifacts;
 bad space files rejected before any trial starts."""
 
+import os
 import textwrap
 
 import pytest
@@ -94,18 +95,22 @@ def test_stopped_trials_are_killed_and_errored_ones_stay_failed(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path):
+def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path, monkeypatch):
+    """Given relative paths (trials run in Tune's trial folders, so the driver must resolve them)."""
     from pipelines.tune import run_sweep
 
+    monkeypatch.chdir(tmp_path)
+    shapes = os.path.relpath(shapes_dir, tmp_path)
     base = load_config(None, [
-        "name=sweep", f"storage_uri={tmp_path / 'store'}", f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-        f"data.train_uri={shapes_dir / 'train'}", f"data.val_uri={shapes_dir / 'val'}", "data.max_length=16",
+        "name=sweep", "storage_uri=store", "mlflow_uri=sqlite:///mlflow.db",
+        f"data.train_uri={shapes}/train", f"data.val_uri={shapes}/val", "data.max_length=16",
         "train.batch_size=8", "train.num_workers=1", "train.steps=6", "train.log_every=2", "train.val_every=2",
         "train.val_batches=2", "train.checkpoint_every=6", "optim.warmup_steps=2"])
     space = load_space(write(tmp_path, SPACE), base)
     summary = run_sweep(space, base, max_concurrent=1)  # one at a time: ASHA stops the lr=1e-6 trials
 
-    client = MlflowClient(base.mlflow_uri)
+    assert summary.failures == []
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     parent = client.get_run(summary.parent_run_id)
     children = client.search_runs([parent.info.experiment_id],
                                   filter_string=f"tags.mlflow.parentRunId = '{summary.parent_run_id}'")
@@ -121,3 +126,27 @@ def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path):
     artifacts = {a.path for a in client.list_artifacts(summary.parent_run_id)}
     assert {"results.csv", "results.md", "sweep.png"} <= artifacts
     assert summary.best is not None and summary.best["optim.lr"] == 0.002
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_sweep_whose_trials_all_fail_exits_non_zero(ray_cluster, shapes_dir, tmp_path):
+    """Every trial's validation folder is missing (the base config's is fine, so the driver's
+    check passes and the trials fail on their own): exit 1 and the first failure in one line."""
+    path = write(tmp_path, f"""\
+        name: failing
+        search: grid
+        metric: val_loss
+        params:
+          data.val_uri:
+            grid: [{tmp_path / 'gone-a'}, {tmp_path / 'gone-b'}]
+        scheduler: {{type: none}}
+        """)
+    result = CliRunner().invoke(app, [
+        "tune", "--space", str(path), "name=failing", f"storage_uri={tmp_path / 'store'}",
+        f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"data.train_uri={shapes_dir / 'train'}",
+        f"data.val_uri={shapes_dir / 'val'}"])
+    assert result.exit_code == 1, result.output
+    [line] = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert "all 2 trials failed" in line and "does not exist" in line and "gone-" in line, result.output
+    assert "Traceback" not in result.output

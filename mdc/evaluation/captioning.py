@@ -12,9 +12,7 @@ References are all captions of the same image (samples whose image bytes are ide
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import html
 import re
 import time
 from dataclasses import dataclass, field
@@ -24,7 +22,7 @@ import torch
 
 from mdc.evaluation.probe import preprocess
 from mdc.sampling import generate_autoregressive, sample_masked
-from mdc.shards import Sample, image_extension
+from mdc.shards import Sample
 from mdc.tokenizer import CaptionTokenizer
 
 AUTOREGRESSIVE = ("ar", "cappa")
@@ -116,23 +114,3 @@ def evaluate_captions(model, objective: str, images: Sequence[CaptionImage], len
             "num_images": len(images), "captions": [
                 {"key": img.key, "references": img.references,
                  "generated": {str(n): generated[n][i] for n in generated}} for i, img in enumerate(images)]}
-
-
-def captions_html(images: Sequence[CaptionImage], result: dict, title: str = "mdc captions") -> str:
-    """A self-contained page: each image (inline base64) beside its generated and reference captions."""
-    rows = []
-    for img, entry in zip(images, result["captions"]):
-        mime = {"jpg": "jpeg"}.get(image_extension(img.image), image_extension(img.image))
-        src = f"data:image/{mime};base64,{base64.b64encode(img.image).decode()}"
-        generated = "".join(f"<li><b>N'={n}</b> {html.escape(c)}</li>" for n, c in entry["generated"].items())
-        refs = "".join(f"<li>{html.escape(r)}</li>" for r in entry["references"])
-        rows.append(f"<tr><td><img src=\"{src}\" width=\"128\"><br><code>{html.escape(img.key)}</code></td>"
-                    f"<td><ul>{generated}</ul></td><td><ul>{refs}</ul></td></tr>")
-    scores = "".join(f"<li>N'={n}: BLEU-4 {m['bleu4']:.4f}, CIDEr-D {m['cider']:.4f}, "
-                     f"{m['captions_per_s']:.1f} captions/s</li>" for n, m in result["lengths"].items())
-    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            "<style>body{font-family:sans-serif}td{vertical-align:top;padding:6px;border-bottom:1px solid #ddd}"
-            "img{image-rendering:pixelated}</style></head><body>"
-            f"<h1>{html.escape(title)}</h1><p>sampler: {html.escape(result['sampler'])}</p><ul>{scores}</ul>"
-            "<table><tr><th>image</th><th>generated</th><th>references</th></tr>"
-            f"{''.join(rows)}</table></body></html>")

@@ -1,0 +1,83 @@
+"""What a person sees on the console: one shared rich Console, the `--verbose` switch, user errors
+as one line with exit code 2 instead of a traceback, and failed runs as one line with exit code 1."""
+
+from __future__ import annotations
+
+import contextlib
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from mdc.config import ConfigError
+from mdc.storage import StorageError
+
+console = Console(soft_wrap=True)
+
+
+class Settings:
+    """Process-wide switches set by the command line."""
+
+    verbose = False  # Ray's own output and full tracebacks on the console
+
+
+VERBOSE_OPTION = typer.Option(False, "--verbose", help="Ray's own output and full tracebacks on the console")
+
+
+class UserError(ValueError):
+    """Something the user gave that cannot be used: the message names it and what was expected."""
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    from mdc.evaluation.readers import DatasetFormatError
+
+    return UserError, ConfigError, StorageError, DatasetFormatError
+
+
+def warn(message: str) -> None:
+    console.print(Text.assemble(("warning: ", "yellow"), message))
+
+
+@contextlib.contextmanager
+def user_errors(*also: type[BaseException]):
+    """Turn user errors (and the `also` types) into `error: MESSAGE` on one line and exit code 2;
+    with --verbose the traceback is printed first."""
+    try:
+        yield
+    except RunFailed as err:
+        console.print(Text.assemble(("error: ", "red"), str(err)))
+        raise typer.Exit(1) from None
+    except (*user_error_types(), *also) as err:
+        if Settings.verbose:
+            console.print_exception()
+        console.print(Text.assemble(("error: ", "red"), str(err)))
+        raise typer.Exit(2) from None
+
+
+def first_line_of(error: object) -> str:
+    """The line of an error worth showing: its first, or for an error that carries a traceback (a
+    remote one, as Ray reports it) the original exception's line after that traceback."""
+    text = str(error)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return lines[-1] if "Traceback (most recent call last)" in text else lines[0]
+
+
+class RunFailed(Exception):
+    """A run that started and then failed; the message says how and where its traceback is."""
+
+
+def report_failures(kind: str, total: int, failures: list[tuple[str, str, str]]) -> None:
+    """After a sweep or scaling run: `failures` are (name, error line, where its full error is).
+    Every run failed: one error line with the first failure, exit code 1. Some failed: a warning
+    with how many and where their errors are."""
+    if not failures:
+        return
+    if len(failures) == total:
+        name, line, where = failures[0]
+        console.print(Text.assemble(("error: ", "red"), f"all {total} {kind}s failed; the first, {name}: {line} "
+                                    f"(full error: {where})"))
+        raise typer.Exit(1)
+    warn(f"{len(failures)} of {total} {kind}s failed: "
+         + "; ".join(f"{name}: {line} ({where})" for name, line, where in failures))

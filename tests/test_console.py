@@ -1,0 +1,130 @@
+"""What a person sees: user errors as one line (exit 2) before Ray starts, a dead or stale Ray
+address decided in seconds, failures that say so, and the progress lines. No Ray is started here."""
+
+import contextlib
+import io
+import socket
+
+import pytest
+import typer
+from rich.console import Console
+from typer.testing import CliRunner
+
+from mdc.config import load_config
+from pipelines import runtime
+from pipelines.cli import app
+from pipelines.console import UserError, report_failures
+from pipelines.progress import ProgressDisplay, step_line
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_missing_data_folder_is_one_line_and_exit_2_before_ray(tmp_path):
+    missing = tmp_path / "no-such-folder" / "train"
+    result = CliRunner().invoke(app, ["train", f"data.train_uri={missing}", f"storage_uri={tmp_path / 'ckpt'}"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and str(missing) in lines[0] and "data.train_uri" in lines[0], result.output
+    assert "Traceback" not in result.output and "Ray's own output" not in result.output
+
+
+def test_bad_config_value_names_the_field(tmp_path):
+    result = CliRunner().invoke(app, ["train", "optim.lr=fast"])
+    assert result.exit_code == 2 and "optim.lr" in result.output and "Traceback" not in result.output
+
+
+def test_relative_paths_become_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = runtime.absolute_paths(load_config(None, [
+        "data.train_uri=shapes/train", "data.val_uri=shapes/val", "storage_uri=runs",
+        "mlflow_uri=sqlite:///mlflow.db"]))
+    assert cfg.data.train_uri == str(tmp_path / "shapes" / "train")
+    assert cfg.data.val_uri == str(tmp_path / "shapes" / "val")
+    assert cfg.storage_uri == str(tmp_path / "runs")
+    assert cfg.mlflow_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    remote = runtime.absolute_paths(load_config(None, ["data.train_uri=s3://b/train", "storage_uri=s3://b/ck"]))
+    assert (remote.data.train_uri, remote.storage_uri) == ("s3://b/train", "s3://b/ck")
+
+
+def test_named_ray_address_that_does_not_answer_fails_fast(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail(f"ray.init called with {kw}"))
+    address = f"127.0.0.1:{closed_port()}"
+    with pytest.raises(UserError, match=f"no Ray cluster answers at {address}"):
+        runtime.connect_ray(address)
+
+
+def test_stale_current_cluster_file_starts_a_local_instance(monkeypatch, capsys):
+    import ray
+
+    calls = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    stale = f"127.0.0.1:{closed_port()}"
+    monkeypatch.setattr(ray._private.utils, "read_ray_address", lambda *a: stale)
+    runtime.connect_ray(num_cpus=2)
+    assert [c["address"] for c in calls] == ["local"]
+    assert f"names {stale}, where nothing answers" in capsys.readouterr().out
+
+
+def test_every_run_failed_exits_1_with_the_first_error(capsys):
+    failures = [("sweep-a", "StorageError: data.val_uri: does not exist: /x", "/s/a/error.txt"),
+                ("sweep-b", "StorageError: data.val_uri: does not exist: /y", "/s/b/error.txt")]
+    with pytest.raises(typer.Exit) as stop:
+        report_failures("trial", 2, failures)
+    assert stop.value.exit_code == 1
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "all 2 trials failed" in out and "/x" in out and "/s/a/error.txt" in out
+    report_failures("trial", 3, failures)  # some failed: a warning, no exit
+    out = capsys.readouterr().out
+    assert "2 of 3 trials failed" in out and "/s/b/error.txt" in out
+
+
+def test_display_prints_logged_steps_notes_and_one_data_wait_warning():
+    buf = io.StringIO()
+    display = ProgressDisplay(None, Console(file=buf, width=200))
+    step = {"run": "r", "kind": "step", "total": 40}
+    display._show([
+        {**step, "step": 1, "metrics": {"loss": 9.0, "lr": 1e-4}, "logged": True},
+        {**step, "step": 2, "metrics": {"loss": 8.5}, "logged": False},
+        {**step, "step": 10, "metrics": {"loss": 7.25, "images_per_s": 12.0, "data_wait_fraction": 0.3},
+         "logged": True},
+        {**step, "step": 20, "metrics": {"loss": 6.5, "data_wait_fraction": 0.4}, "logged": True},
+        {"run": "r", "kind": "note", "text": "checkpoint at step 20", "warning": False},
+    ])
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == "r step 1/40  loss 9.0000  lr 1.00e-04"
+    assert [line for line in lines if "step 2/" in line] == []
+    assert lines[2].startswith("r step 10/40  loss 7.2500  lr 1.00e-04  12.0 img/s  data wait 30%  ETA ")
+    assert sum("waiting for data" in line for line in lines) == 1
+    assert lines[-1] == "r: checkpoint at step 20"
+    assert step_line("r", 5, 10, {}, 75) == "r step 5/10  ETA 1:15"
+
+
+def test_a_failed_run_is_one_line_exit_1_with_its_traceback_in_the_log(tmp_path, monkeypatch):
+    from pipelines.console import user_errors
+
+    monkeypatch.setattr(runtime, "connect_ray", lambda *a: None)
+    monkeypatch.setattr(runtime, "ray_output_to", lambda path: contextlib.nullcontext(path))
+    log = tmp_path / "ray.log"
+    buf = io.StringIO()
+    monkeypatch.setattr("pipelines.console.console", Console(file=buf, width=300))
+    with pytest.raises(typer.Exit) as stop, user_errors(), runtime.ray_session(log):
+        raise MemoryError_("8 worker(s) were killed due to the node running low on memory.\nMemory on the node ...")
+    assert stop.value.exit_code == 1
+    out = buf.getvalue().strip().splitlines()
+    assert out[-1] == (f"error: MemoryError_: 8 worker(s) were killed due to the node running low on memory. "
+                       f"(traceback in {log})")
+    assert "Traceback (most recent call last)" in log.read_text()
+
+
+class MemoryError_(Exception):
+    """Stands in for Ray's OutOfMemoryError."""

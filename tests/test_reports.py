@@ -1,0 +1,52 @@
+"""The demo's report.html: one image per held-out caption, the loss curves, the probe and
+compositionality table with whatever columns the results hold; also an MLflow artifact."""
+
+import re
+from types import SimpleNamespace
+
+from mlflow.tracking import MlflowClient
+
+from mdc import shards
+from mdc.config import load_config
+from mdc.evaluation import captioning
+from pipelines import reports, tracking
+from pipelines.demo import write_report
+
+
+def test_demo_report_holds_every_caption_image_the_curves_and_the_tables(shapes_dir, tmp_path):
+    cfg = load_config(None, ["name=report-run", f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+    uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
+    run_id = tracking.get_or_create_run(uri, cfg.experiment, cfg.name, {})
+    logger = tracking.MetricLogger(uri, run_id)
+    for step in range(1, 41):
+        logger.log({"loss": 10 - step / 5, **({"val_loss": 9 - step / 6} if step % 20 == 0 else {})}, step)
+    logger.flush()
+
+    images = captioning.group_by_image(shards.read_shards(str(shapes_dir / "val")), 5)
+    captions = {"sampler": "confidence", "num_images": len(images),
+                "lengths": {"10": {"bleu4": 0.25, "cider": 1.5, "captions_per_s": 40.0}},
+                "captions": [{"key": img.key, "references": img.references, "generated": {"10": f"caption <{i}>"}}
+                             for i, img in enumerate(images)]}
+    evaluation = {"probe_accuracy": 0.8, "probe_random_init_accuracy": 0.5, "compositionality_scorer": "montecarlo",
+                  "compositionality": {"vg_relation": 0.9, "vg_attribution": 0.7},
+                  "compositionality_blind": {"vg_relation": 0.5, "vg_attribution": 0.52}}
+    path = write_report(tmp_path, cfg, SimpleNamespace(mlflow_run_id=run_id), evaluation, images, captions)
+
+    page = path.read_text()
+    assert len(images) == 5 and page.count('class="caption-image"') == 5
+    assert all(img.references[0] in page for img in images) and "caption &lt;3&gt;" in page
+    assert page.count('class="curves"') == 1 and (tmp_path / "curves.png").stat().st_size > 5000
+    assert re.search(r"<th>compositionality_blind</th>", page) and "<td>vg_attribution</td>" in page
+    assert "0.5200" in page and "CIDEr-D" in page and "N' = 10" in page
+    logged = {a.path for a in MlflowClient(uri).list_artifacts(run_id, "report")}
+    assert logged == {"report/report.html", "report/curves.png"}
+
+
+def test_curves_follow_the_logged_history(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = tracking.get_or_create_run(uri, "e", "r", {})
+    logger = tracking.MetricLogger(uri, run_id)
+    logger.log({"loss": 3.0}, 1)
+    logger.log({"loss": 2.0, "val_loss": 2.5}, 2)
+    logger.flush()
+    assert reports.metric_history(uri, run_id) == {"loss": [(1, 3.0), (2, 2.0)], "val_loss": [(2, 2.5)]}
