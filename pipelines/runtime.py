@@ -147,10 +147,11 @@ class _LogRoute:
 @contextlib.contextmanager
 def ray_output_to(log_file: Path):
     """While inside, Ray's output goes to `log_file` instead of the console: the workers' forwarded
-    stdout/stderr, Ray's (and MLflow's) Python loggers in this process, Ray Data's progress bars,
-    and what Ray's C++ core writes to this process's stderr (fd 2; Python's sys.stderr stays on the
-    console). Lines that workers print with an `[mdc] ` prefix (rank 0's notices) still reach the
-    console, once each."""
+    stdout/stderr, the raylet's notices, Ray's (and MLflow's) Python loggers in this process, Ray
+    Data's progress bars, and what Ray's C++ core writes to this process's stderr (fd 2; Python's
+    sys.stderr stays on the console). Lines that workers print with an `[mdc] ` prefix (rank 0's
+    notices) still reach the console, once each."""
+    import ray._private.worker as ray_worker
     import ray.data
 
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +160,7 @@ def ray_output_to(log_file: Path):
 
     def route(data: dict) -> None:
         who = data.get("actor_name") or data.get("task_name") or ""
-        for line in data.get("lines", []):
+        for line in data.get("lines", []) if not sink.closed else []:
             sink.write(f"({who} pid={data.get('pid')}) {line}\n")
             if line.startswith("[mdc] ") and line != last_shown[0]:  # Train V2 forwards each line twice
                 last_shown[0] = line
@@ -181,6 +182,8 @@ def ray_output_to(log_file: Path):
     bars = data_context.enable_progress_bars
     data_context.enable_progress_bars = False
     _LogRoute.handler = route
+    raylet_notices = ray_worker.print_to_stdstream  # how the raylet's notices reach this console
+    ray_worker.print_to_stdstream = lambda data, ignore_prefix: route(data)
     _LogRoute.install()
     sys.stderr.flush()
     saved_fd2, real_stderr = os.dup(2), sys.stderr
@@ -194,6 +197,7 @@ def ray_output_to(log_file: Path):
         sys.stderr = real_stderr
         os.dup2(saved_fd2, 2)
         os.close(saved_fd2)
+        ray_worker.print_to_stdstream = raylet_notices
         _LogRoute.uninstall()
         data_context.enable_progress_bars = bars
         for logger, old in swapped:

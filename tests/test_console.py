@@ -3,6 +3,7 @@ address decided in seconds, failures that say so, and the progress lines. No Ray
 
 import contextlib
 import io
+import os
 import socket
 
 import pytest
@@ -128,3 +129,26 @@ def test_a_failed_run_is_one_line_exit_1_with_its_traceback_in_the_log(tmp_path,
 
 class MemoryError_(Exception):
     """Stands in for Ray's OutOfMemoryError."""
+
+
+def test_ray_output_goes_to_the_log_and_mdc_lines_to_the_console_once(tmp_path, capfd):
+    import logging
+
+    import ray._private.worker as ray_worker
+
+    log = tmp_path / "run" / "ray.log"
+    with runtime.ray_output_to(log):
+        ray_worker.print_to_stdstream({"pid": "raylet", "is_err": False, "lines": [
+            "WARNING: 8 PYTHON worker processes have been started"]}, ignore_prefix=False)
+        ray_worker.print_to_stdstream({"pid": 7, "is_err": False, "actor_name": "RayTrainWorker", "lines": [
+            "Reporting training result 1", "[mdc] resuming from checkpoint_00000004", "[mdc] resuming from "
+            "checkpoint_00000004"]}, ignore_prefix=False)
+        logging.getLogger("ray.data").info("Starting execution of Dataset train_1")
+        os.write(2, b"[2026-12-01 E 1 1] core_worker.cc:2465: Actor with class name\n")
+        console = capfd.readouterr()
+    assert console.out.splitlines() == ["resuming from checkpoint_00000004"] and console.err == ""
+    text = log.read_text()
+    for line in ("PYTHON worker processes", "(RayTrainWorker pid=7) Reporting training result 1",
+                 "Starting execution of Dataset", "core_worker.cc"):
+        assert line in text
+    assert ray_worker.print_to_stdstream.__name__ == "print_to_stdstream"  # put back
