@@ -78,7 +78,11 @@ class OptimConfig(_Section):
 
 class TrainConfig(_Section):
     steps: int = Field(300, ge=1)
-    batch_size: int = Field(32, ge=1, description="per worker")
+    batch_size: int = Field(32, ge=1, description="per worker and micro-batch")
+    global_batch_size: int | None = Field(None, ge=1, description="the optimiser's batch; a multiple of "
+                                          "batch_size × num_workers (gradient accumulation); default their product")
+    activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward")
+    compile: bool = Field(False, description="torch.compile each transformer block")
     seed: int = 0
     checkpoint_every: int = Field(100, ge=1)
     keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept in storage, newest first")
@@ -89,6 +93,24 @@ class TrainConfig(_Section):
     use_gpu: bool = False
     cpus_per_worker: float = Field(0.5, gt=0.0)
     max_failures: int = Field(2, ge=-1, description="worker-group restarts from the last checkpoint")
+
+    @model_validator(mode="after")
+    def _global_batch(self) -> TrainConfig:
+        per_step = self.batch_size * self.num_workers
+        if self.global_batch_size is not None and self.global_batch_size % per_step:
+            raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of batch_size × "
+                             f"num_workers = {self.batch_size} × {self.num_workers} = {per_step}")
+        return self
+
+    @property
+    def global_batch(self) -> int:
+        """Pairs per optimiser step."""
+        return self.global_batch_size or self.batch_size * self.num_workers
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per worker per optimiser step."""
+        return self.global_batch // (self.batch_size * self.num_workers)
 
 
 class RunConfig(_Section):

@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from mdc.objectives import compute_loss
 
@@ -52,17 +53,32 @@ class EMA:
 
 
 def train_step(model, optimizer, scheduler, images, tokens, objective, grad_clip: float,
-               generator=None, ema: EMA | None = None) -> dict:
-    """Forward, backward, clip, step. Returns float metrics (loss, lr, grad_norm, ...)."""
-    loss, metrics = compute_loss(model, images, tokens, objective, generator)
+               generator=None, ema: EMA | None = None, micro_batches: int = 1) -> dict:
+    """Forward, backward, clip, step. Returns float metrics (loss, lr, grad_norm, ...).
+
+    With `micro_batches` > 1 the batch is split into that many equal micro-batches whose gradients
+    accumulate before the one optimiser step: each micro-batch's loss is divided by their number,
+    so the step is the full batch's step when every micro-batch has the same loss normaliser
+    (e.g. as many caption tokens). An FSDP2 model reduces gradients across ranks only on the last
+    micro-batch. Noise draws come from `generator` in micro-batch order."""
+    if images.shape[0] % micro_batches:
+        raise ValueError(f"a batch of {images.shape[0]} does not split into {micro_batches} micro-batches")
+    fsdp = isinstance(model, FSDPModule)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    totals: dict = {}
+    for i, (imgs, toks) in enumerate(zip(images.chunk(micro_batches), tokens.chunk(micro_batches))):
+        if fsdp:
+            model.set_requires_gradient_sync(i == micro_batches - 1)
+        loss, metrics = compute_loss(model, imgs, toks, objective, generator)
+        (loss / micro_batches).backward()
+        for key, value in {"loss": loss.detach(), **metrics}.items():
+            totals[key] = totals.get(key, 0.0) + value / micro_batches
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     scheduler.step()
     if ema is not None:
         ema.update(model)
-    out = {"loss": loss.detach(), "grad_norm": grad_norm, **metrics}
+    out = {**totals, "grad_norm": grad_norm}
     out = {k: float(v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in out.items()}
     out["lr"] = scheduler.get_last_lr()[0]
     return out

@@ -3,7 +3,7 @@
 Each size becomes `data.subset_fraction = size / total`: a sample is kept when the hash of its key
 is below the fraction, so every smaller subset lies inside every larger one. The training budget
 is the same number of steps for every size (`train.steps`), so every model sees the same number of
-pairs — steps × batch_size × num_workers, as in the paper — and a small subset is simply repeated
+pairs — steps × global batch, as in the paper — and a small subset is simply repeated
 for more epochs; only the number of distinct pairs changes along the curve.
 
 The run is idempotent, so a schedule can start it again and again: a size whose `results.json`
@@ -145,7 +145,7 @@ def size_config(base: RunConfig, name: str, size: int, total: int) -> RunConfig:
 
 
 def pairs_seen(cfg: RunConfig) -> int:
-    return cfg.train.steps * cfg.train.batch_size * cfg.train.num_workers
+    return cfg.train.steps * cfg.train.global_batch
 
 
 def write_report(rows: list[dict], directory: Path, title: str) -> list[Path]:

@@ -30,7 +30,7 @@ from mdc import storage
 from mdc.config import ObjectiveConfig, RunConfig, dump_config
 from mdc.model import PRESETS, build_model
 from mdc.objectives import compute_loss
-from mdc.parallel import apply_fsdp
+from mdc.parallel import prepare_model
 from mdc.tokenizer import CaptionTokenizer
 from mdc.training import EMA, build_optimizer, build_scheduler, train_step
 from pipelines import progress, reports, tracking
@@ -128,7 +128,8 @@ def train_loop(loop_config: dict) -> None:
 
     torch.manual_seed(tc.seed)  # identical initial weights on every rank before sharding
     model = build_model(cfg, CaptionTokenizer).to(device)
-    apply_fsdp(model, bf16=tc.use_gpu)
+    prepare_model(model, device, bf16=tc.use_gpu, activation_checkpointing=tc.activation_checkpointing,
+                  compile=tc.compile)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim.warmup_steps, tc.steps)
     ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
@@ -159,8 +160,8 @@ def train_loop(loop_config: dict) -> None:
     last_val = None
     while step < tc.steps:
         batches_this_epoch = 0
-        for batch in train_data.iter_torch_batches(
-                batch_size=tc.batch_size, drop_last=True,
+        for batch in train_data.iter_torch_batches(  # one optimiser step's micro-batches at a time
+                batch_size=tc.batch_size * tc.accumulation_steps, drop_last=True,
                 local_shuffle_buffer_size=cfg.data.shuffle_buffer or None,
                 local_shuffle_seed=tc.seed + epoch):
             batches_this_epoch += 1
@@ -169,7 +170,8 @@ def train_loop(loop_config: dict) -> None:
             step += 1
             images, tokens = batch["image"].to(device), batch["tokens"].to(device)
             metrics = train_step(model, optimizer, scheduler, images, tokens, cfg.objective,
-                                 cfg.optim.grad_clip, _step_generator(tc.seed, rank, step, device), ema)
+                                 cfg.optim.grad_clip, _step_generator(tc.seed, rank, step, device), ema,
+                                 micro_batches=tc.accumulation_steps)
             images_seen += images.shape[0] * world
             tokens_seen += int((tokens != CaptionTokenizer.pad_id).sum()) * world
             metrics["loss"] = mean_over_ranks(metrics["loss"], device)
@@ -205,8 +207,8 @@ def train_loop(loop_config: dict) -> None:
             if step >= tc.steps:
                 break
         if batches_this_epoch == 0:
-            raise RuntimeError(f"no full batch of {tc.batch_size} in {cfg.data.train_uri} for rank {rank}: "
-                               "the dataset is smaller than num_workers × batch_size")
+            raise RuntimeError(f"no full batch of {tc.batch_size * tc.accumulation_steps} in {cfg.data.train_uri} "
+                               f"for rank {rank}: the dataset is smaller than global_batch_size")
         epoch += 1
     if logger is not None:
         logger.flush()

@@ -1,0 +1,142 @@
+"""The training step at cluster scale, on CPU: gradient accumulation equals the big batch,
+activation checkpointing and compiled blocks change nothing but speed/memory, FSDP2 keeps the
+optimiser state, the EMA and the exported weights in float32."""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mdc.checkpoint import full_weights
+from mdc.config import ConfigError, ObjectiveConfig, OptimConfig, load_config
+from mdc.model import Captioner
+from mdc.objectives import compute_loss
+from mdc.parallel import apply_fsdp, compile_available, prepare_model
+from mdc.training import EMA, build_optimizer, build_scheduler, train_step
+
+MAX_LENGTH = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group(tmp_path_factory):
+    """A one-process gloo group: FSDP2 and its gradient-sync switch need one."""
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+VOCAB = 64  # ids 60-63 are BOS, EOS, [MASK], pad: a small vocabulary keeps the test fast
+
+
+def tiny_model(seed=0) -> Captioner:
+    torch.manual_seed(seed)
+    return Captioner("tiny", vocab_size=VOCAB, bos_id=60, eos_id=61, mask_id=62, pad_id=63,
+                     max_length=MAX_LENGTH, image_size=32, decoder_layers=2)
+
+
+def batch(n: int, seed: int = 1):
+    """Captions with no padding, so every micro-batch has as many tokens as every other."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 60, (n, MAX_LENGTH), generator=g)
+
+
+def dense(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def optimiser_for(model, sgd=False):
+    """AdamW as training uses it; SGD where parameters after a step must show the gradient itself
+    (Adam's first step is lr·sign(g), which turns float rounding of near-zero gradients into lr)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5) if sgd else build_optimizer(model, OptimConfig(lr=1e-3))
+    return optimizer, build_scheduler(optimizer, 0, 100)
+
+
+@pytest.mark.parametrize("objective", [ObjectiveConfig(name="bert", mask_ratio=1.0), ObjectiveConfig(name="ar")])
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_two_micro_batches_of_8_step_like_one_batch_of_16(objective, fsdp):
+    """Objectives without noise (BERT masking every token, AR), so both see the same draws."""
+    images, tokens = batch(16)
+    models = [tiny_model(), tiny_model()]
+    initial = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+    if fsdp:
+        for model in models:
+            apply_fsdp(model, bf16=False)
+    results = []
+    for model, micro in zip(models, (1, 2)):
+        optimizer, scheduler = optimiser_for(model, sgd=True)
+        results.append(train_step(model, optimizer, scheduler, images, tokens, objective, 1.0, micro_batches=micro))
+    assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-6)
+    assert results[0]["grad_norm"] == pytest.approx(results[1]["grad_norm"], rel=1e-5)
+    for (name, big), (_, accumulated) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        torch.testing.assert_close(dense(accumulated), dense(big), rtol=1e-5, atol=1e-6, msg=name)
+    moved = [not torch.equal(dense(p), initial[n]) for n, p in models[0].named_parameters()]
+    assert sum(moved) > 0.9 * len(moved)  # the step did something to compare
+
+
+def test_a_batch_that_does_not_split_is_refused():
+    model = tiny_model()
+    optimizer, scheduler = optimiser_for(model)
+    with pytest.raises(ValueError, match="12 does not split into 8"):
+        train_step(model, optimizer, scheduler, *batch(12), ObjectiveConfig(), 1.0, micro_batches=8)
+
+
+def test_global_batch_sets_the_accumulation_steps_and_must_divide():
+    cfg = load_config(None, ["train.batch_size=8", "train.num_workers=2", "train.global_batch_size=64"])
+    assert cfg.train.accumulation_steps == 4
+    assert load_config(None, ["train.batch_size=8", "train.num_workers=2"]).train.accumulation_steps == 1
+    with pytest.raises(ConfigError, match=r"global_batch_size 60 is not a multiple of batch_size × num_workers "
+                                          r"= 8 × 2 = 16"):
+        load_config(None, ["train.batch_size=8", "train.num_workers=2", "train.global_batch_size=60"])
+
+
+def loss_and_grads(model, objective=ObjectiveConfig()):
+    images, tokens = batch(4)
+    loss, _ = compute_loss(model, images, tokens, objective, torch.Generator().manual_seed(3))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    plain, checkpointed = tiny_model(), tiny_model()
+    prepare_model(checkpointed, "cpu", bf16=False, activation_checkpointing=True, shard=False)
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in checkpointed.named_parameters()]
+    loss, grads = loss_and_grads(plain)
+    loss_ckpt, grads_ckpt = loss_and_grads(checkpointed)
+    assert float(loss_ckpt) == float(loss)
+    assert grads.keys() == grads_ckpt.keys()
+    for name in grads:
+        torch.testing.assert_close(grads_ckpt[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_compiled_blocks_train_like_eager():
+    """Sharded and checkpointed as a worker runs them; where torch.compile cannot run, the fallback
+    warning is what is checked."""
+    eager, compiled = tiny_model(), tiny_model()
+    reason = compile_available("cpu")
+    with pytest.warns(UserWarning, match="training uncompiled") if reason else warnings.catch_warnings():
+        if not reason:
+            warnings.simplefilter("error", UserWarning)
+        prepare_model(compiled, "cpu", bf16=False, compile=True, activation_checkpointing=True)
+    prepare_model(eager, "cpu", bf16=False, activation_checkpointing=True)
+    images, tokens = batch(4)
+    for model in (eager, compiled):
+        optimizer, scheduler = optimiser_for(model)
+        model.losses = [train_step(model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0,
+                                   torch.Generator().manual_seed(step))["loss"] for step in range(3)]
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
+        torch.testing.assert_close(dense(b), dense(a), rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_bf16_compute_keeps_optimiser_ema_and_export_in_float32():
+    model = tiny_model()
+    apply_fsdp(model, bf16=True)
+    optimizer, scheduler = optimiser_for(model)
+    ema = EMA(model, 0.9)
+    train_step(model, optimizer, scheduler, *batch(4), ObjectiveConfig(), 1.0, torch.Generator().manual_seed(0), ema)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {v.dtype for s in optimizer.state.values() for v in s.values() if v.ndim} == {torch.float32}
+    assert {v.dtype for v in ema.state_dict().values()} == {torch.float32}
+    assert {v.dtype for v in full_weights(model, ema).values()} == {torch.float32}
