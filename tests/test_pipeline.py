@@ -106,10 +106,10 @@ def _param_norm(state: dict) -> float:
     return math.sqrt(sum(float(v.float().pow(2).sum()) for v in state.values()))
 
 
-def fault_config(tmp_path, name, shapes_dir, max_failures):
+def fault_config(tmp_path, name, shapes_dir, max_failures, **train):
     """8 steps, complete checkpoints at steps 3, 6 and 8."""
     return tiny_config(tmp_path, name, shapes_dir / "train", steps=8, checkpoint_every=3, log_every=2,
-                       max_failures=max_failures)
+                       max_failures=max_failures, **train)
 
 
 def resumed_from(cfg, run_id) -> list[float]:
@@ -131,8 +131,9 @@ def test_worker_killed_after_a_checkpoint_resumes_from_it(ray_cluster, shapes_di
 
 def test_worker_killed_mid_checkpoint_resumes_from_the_previous_one(ray_cluster, shapes_dir, tmp_path):
     """Rank 1 dies after writing its shard of checkpoint 6, before the checkpoint is complete:
-    the incomplete directory is not used, the group resumes at 3 and repeats steps 4-6 only."""
-    cfg = fault_config(tmp_path, "mid-ckpt", shapes_dir, max_failures=1)
+    the incomplete directory is not used, the group resumes at 3 and repeats steps 4-6 only. Each
+    step accumulates 2 micro-batches of 8 per worker (global batch 32)."""
+    cfg = fault_config(tmp_path, "mid-ckpt", shapes_dir, max_failures=1, global_batch_size=32)
     summary = run_training(cfg, fault=Fault(step=6, rank=1, marker=str(tmp_path / "fired"), at="shard_written"))
     assert (tmp_path / "fired").exists()
     assert [s for s, _ in metric_steps(cfg, summary.mlflow_run_id)] == [1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8]
