@@ -23,6 +23,7 @@ import re
 import shutil
 import tempfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -89,17 +90,39 @@ def upload_shard(local_dir: str | Path, uri: str, endpoint_url: str | None = Non
     return written
 
 
-def commit(uri: str, step: int, written: dict[str, dict], rank: int, endpoint_url: str | None = None) -> None:
-    """Collective, after `upload_shard` on every rank: rank 0 writes the completion marker listing
-    every rank's files; when this returns on any rank, the checkpoint is complete."""
-    world = dist.get_world_size()
+def commit(uri: str, step: int, written: dict[str, dict], rank: int, endpoint_url: str | None = None,
+           group=None) -> None:
+    """Collective (over `group`, default: all ranks), after `upload_shard` on every rank: rank 0
+    writes the completion marker listing every rank's files; when this returns on any rank, the
+    checkpoint is complete."""
+    world = dist.get_world_size(group)
     by_rank: list = [None] * world
-    dist.all_gather_object(by_rank, written)  # also the barrier: every rank's files are in place
+    dist.all_gather_object(by_rank, written, group=group)  # also the barrier: every rank's files are in place
     if rank == 0:
         files = {name: meta for shard in by_rank for name, meta in shard.items()}
         marker = {"step": step, "ranks": list(range(world)), "files": files}
         storage.write_bytes(storage.join(uri, MARKER), json.dumps(marker, indent=1).encode(), endpoint_url)
-    dist.barrier()  # nobody moves on (or dies) before the marker exists
+    dist.barrier(group=group)  # nobody moves on (or dies) before the marker exists
+
+
+class Background:
+    """Finishes one checkpoint at a time in a thread (upload, commit, prune) while training goes
+    on. Its collectives run on a gloo group of their own, apart from training's; `wait` blocks
+    until the pending one is complete and re-raises what failed there. Collective to create."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mdc-checkpoint")
+        self._pending = None
+
+    def submit(self, finish) -> None:
+        self.wait()
+        self._pending = self._pool.submit(finish)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
 
 
 def remove(uri: str, endpoint_url: str | None = None) -> None:

@@ -86,6 +86,8 @@ class TrainConfig(_Section):
     seed: int = 0
     checkpoint_every: int = Field(100, ge=1)
     keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept in storage, newest first")
+    async_checkpoint: bool = Field(False, description="copy checkpoints to storage and commit them in a "
+                                   "background thread while training goes on")
     log_every: int = Field(10, ge=1)
     val_every: int = Field(100, ge=1)
     val_batches: int = Field(4, ge=1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -135,6 +136,7 @@ def train_loop(loop_config: dict) -> None:
     ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
 
     run_dir, endpoint = loop_config["run_dir"], cfg.data.endpoint_url
+    background = ckpt.Background() if tc.async_checkpoint else None
     step, epoch, extra_state = 0, 0, {}
     restored = _choose_checkpoint(run_dir, endpoint, rank)
     if restored is not None:
@@ -198,7 +200,7 @@ def train_loop(loop_config: dict) -> None:
                     logger.flush()  # every step up to a checkpoint is in MLflow before it exists
                 _save_checkpoint(cfg, run_dir, model, optimizer, scheduler, ema,
                                  {"step": step, "epoch": epoch, "metrics": {**metrics, "step": step}},
-                                 extra_state, rank, fault)
+                                 extra_state, rank, fault, background)
                 ray.train.report({**metrics, "step": step})
                 if reporter is not None:
                     reporter.note(f"checkpoint at step {step}")
@@ -232,29 +234,45 @@ def _choose_checkpoint(run_dir: str, endpoint: str | None, rank: int) -> str | N
 
 
 def _save_checkpoint(cfg, run_dir, model, optimizer, scheduler, ema, trainer_state, extra_state, rank,
-                     fault: Fault | None) -> None:
+                     fault: Fault | None, background: ckpt.Background | None = None) -> None:
     """Collective. Each rank stages its DCP shard locally and copies it into the run's storage;
-    then rank 0 marks the checkpoint complete and deletes the ones no longer kept. The last
-    checkpoint also carries the exported full weights for evaluation."""
+    then rank 0 marks the checkpoint complete and deletes the ones no longer kept. With
+    `background` (train.async_checkpoint) training resumes once the shards are staged, and the
+    copy and commit finish in a thread. The last checkpoint, finished before returning, also
+    carries the exported full weights for evaluation."""
     step, endpoint = trainer_state["step"], cfg.data.endpoint_url
     uri = ckpt.checkpoint_dir(run_dir, step)
     final = step == cfg.train.steps
+    if background is not None:
+        background.wait()  # one checkpoint in flight at a time
     weights = ckpt.full_weights(model, ema) if final else None  # collective: every rank calls
     if rank == 0:
         ckpt.remove(uri, endpoint)  # what an interrupted attempt at this step left
     dist.barrier()
-    with tempfile.TemporaryDirectory() as directory:
-        ckpt.stage_training_state(directory, model, optimizer, scheduler, ema, trainer_state, extra_state, rank)
-        if final and rank == 0:
-            ckpt.export_weights(directory, weights, dump_config(cfg))
-        written = ckpt.upload_shard(directory, uri, endpoint)
-    if fault is not None:
-        fault.maybe_fire(step, rank, "shard_written")
-    ckpt.commit(uri, step, written, rank, endpoint)
-    if rank == 0:
-        ckpt.prune(run_dir, step, cfg.train.keep_checkpoints, endpoint)
-    if fault is not None:
-        fault.maybe_fire(step, rank, "committed")
+    directory = tempfile.mkdtemp(prefix="mdc-checkpoint-")
+    ckpt.stage_training_state(directory, model, optimizer, scheduler, ema, trainer_state, extra_state, rank)
+    if final and rank == 0:
+        ckpt.export_weights(directory, weights, dump_config(cfg))
+
+    def finish() -> None:
+        try:
+            written = ckpt.upload_shard(directory, uri, endpoint)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        if fault is not None:
+            fault.maybe_fire(step, rank, "shard_written")
+        ckpt.commit(uri, step, written, rank, endpoint, group=background.group if background else None)
+        if rank == 0:
+            ckpt.prune(run_dir, step, cfg.train.keep_checkpoints, endpoint)
+        if fault is not None:
+            fault.maybe_fire(step, rank, "committed")
+
+    if background is None:
+        finish()
+    else:
+        background.submit(finish)
+        if final:
+            background.wait()
 
 
 def storage_for(uri: str, endpoint_url: str | None):

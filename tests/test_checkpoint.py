@@ -123,3 +123,19 @@ def test_checkpoints_in_s3(s3_server, tmp_path):
     assert torch.equal(state[0][0].weight, fresh[0][0].weight)
     ckpt.prune(run_dir, 1, keep=1, endpoint_url=endpoint)
     assert not any("checkpoint_00000002" in k for k in storage.list_files(run_dir, (), endpoint))
+
+
+def test_a_checkpoint_finished_in_the_background_is_complete_after_wait(tmp_path):
+    run_dir = str(tmp_path / "run")
+    state = make_state(0)
+    background = ckpt.Background()
+    uri = ckpt.checkpoint_dir(run_dir, 5)
+    local = tmp_path / "stage"
+    local.mkdir()
+    ckpt.stage_training_state(local, *state, {"step": 5, "epoch": 0}, {}, rank=0)
+    background.submit(lambda: ckpt.commit(uri, 5, ckpt.upload_shard(local, uri), 0, group=background.group))
+    background.wait()
+    assert ckpt.newest_complete(run_dir) == (uri, [])
+    background.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        background.wait()
