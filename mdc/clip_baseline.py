@@ -26,7 +26,7 @@ from torch import nn
 
 from mdc.model import PRESETS, create_encoder, num_heads
 
-MAX_LOGIT_SCALE = 100.0  # CLIP clamps the temperature so logits stay below 100
+MAX_LOGIT_SCALE = 100.0  # CLIP keeps the temperature's inverse at most 100
 
 
 class ClipModel(nn.Module):
@@ -76,14 +76,21 @@ class ClipModel(nn.Module):
     def text_embedding(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.normalize(self.text(self.text_inputs(tokens)), dim=-1)
 
+    @torch.no_grad()
+    def clamp_logit_scale_(self) -> None:
+        """Clamp the parameter itself to log(MAX_LOGIT_SCALE), in place, as open_clip does after each
+        optimiser step: clamping exp() instead would zero its gradient above the bound for good."""
+        self.logit_scale.clamp_(max=math.log(MAX_LOGIT_SCALE))
+
     def forward(self, images, tokens):
         """(image embeddings, text embeddings, logit scale): the inputs of ClipLoss."""
-        scale = self.logit_scale.exp().clamp(max=MAX_LOGIT_SCALE)
-        return self.image_embedding(images), self.text_embedding(tokens), scale
+        return self.image_embedding(images), self.text_embedding(tokens), self.logit_scale.exp()
 
 
 def clip_loss(model, images, tokens):
-    """(loss, metrics) of the contrastive objective over the local batch."""
+    """(loss, metrics) of the contrastive objective over the local batch. The logit scale is
+    clamped first: every forward sees it clamped after the previous step, as in open_clip."""
+    model.clamp_logit_scale_()
     image, text, scale = model(images, tokens)
     loss = ClipLoss()(image, text, scale)
     hits = (image @ text.T).argmax(dim=1) == torch.arange(len(image), device=image.device)

@@ -130,6 +130,9 @@ class RunConfig(_Section):
     def _objective_needs(self) -> RunConfig:
         if self.model.predict_length and self.objective.name not in MASKED_OBJECTIVES:
             raise ValueError(f"model.predict_length applies to {MASKED_OBJECTIVES}, not {self.objective.name!r}")
+        if self.model.time_conditioning and self.objective.name in ("ar", "cappa"):
+            raise ValueError(f"model.time_conditioning=true needs a noise level t, which {self.objective.name!r} "
+                             "has not; set it false for autoregressive objectives")
         if self.objective.name == "cdlm" and not self.model.time_conditioning:
             self.model.time_conditioning = True  # the continuous denoiser must know its noise level
         return self

@@ -7,7 +7,10 @@ never counted.
 
 MDC with the linear schedule α_t = 1 − t: a token is masked with probability t, and the MDLM weight
 α_t'/(1 − α_t) = −1/t turns the ELBO into  (1/t) · Σ_masked −log p_θ(c_0^i | C_t, V),
-normalised by the number of non-pad tokens in the batch.
+normalised by the number of non-pad tokens in the batch. The estimate is unbiased because
+E[(1/t) · #masked] = N for every t > 0: a caption whose draw masks nothing contributes 0 (MDLM), and
+nothing is ever forced. t is drawn from [max(ω_l, T_MIN), ω_u] (MDLM's sampling ε): the 1/t weight
+has unbounded variance as t → 0, and the interval below ε holds a share ε of the integral.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from mdc import ddcap
+
+T_MIN = 1e-3  # the smallest noise level the ELBO estimators draw (MDLM's sampling_eps)
 
 
 def sample_t(n: int, omega_l: float, omega_u: float, antithetic: bool = True,
@@ -29,14 +34,15 @@ def sample_t(n: int, omega_l: float, omega_u: float, antithetic: bool = True,
 
 
 def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, mask_id: int, pad_id: int,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask each non-pad token independently with probability t (per row). A row left with no
-    masked token gets one, at a random non-pad position, so every caption contributes a loss."""
+                generator: torch.Generator | None = None, force_one: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask each non-pad token independently with probability t (per row). With `force_one` a row
+    left with no masked token gets one at a random non-pad position — for the objectives that
+    average over masked tokens (CMLM, BERT), never for the 1/t-weighted ELBO, which it would bias."""
     real = tokens != pad_id
     u = torch.rand(tokens.shape, generator=generator, device=tokens.device)
     masked = (u < t[:, None]) & real
     empty = ~masked.any(dim=1) & real.any(dim=1)
-    if empty.any():
+    if force_one and empty.any():
         pick = torch.where(real, u, torch.inf).argmin(dim=1)  # a uniformly random real position
         masked[empty, pick[empty]] = True
     return torch.where(masked, mask_id, tokens), masked
@@ -44,8 +50,9 @@ def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, mask_id: int, pad_id: int
 
 def masked_diffusion_loss(model, images, tokens, kind: str, omega_l=0.5, omega_u=1.0,
                           antithetic=True, mask_ratio=0.15, generator=None, image_free_prob=0.0):
-    """`mdc`: 1/t-weighted, normalised by non-pad tokens; `cmlm`: same masking, unweighted mean
-    over masked tokens; `bert`: a fixed ratio instead of a sampled t, mean over masked tokens.
+    """`mdc`: the ELBO, 1/t-weighted, normalised by non-pad tokens, nothing forced; `cmlm`: same
+    t, the weight dropped, mean over masked tokens; `bert`: a fixed ratio instead of a sampled t,
+    mean over masked tokens. The two means need a masked token per caption, so theirs is forced.
 
     DDCap switches (mdc/ddcap.py): with `image_free_prob` that share of captions is trained against
     the learned null image; a model with a length head adds the length cross-entropy."""
@@ -53,8 +60,8 @@ def masked_diffusion_loss(model, images, tokens, kind: str, omega_l=0.5, omega_u
     if kind == "bert":
         t = torch.full((b,), float(mask_ratio), device=tokens.device)
     else:
-        t = sample_t(b, omega_l, omega_u, antithetic, generator, tokens.device)
-    noisy, masked = mask_tokens(tokens, t, model.mask_id, model.pad_id, generator)
+        t = sample_t(b, max(omega_l, T_MIN), omega_u, antithetic, generator, tokens.device)
+    noisy, masked = mask_tokens(tokens, t, model.mask_id, model.pad_id, generator, force_one=kind != "mdc")
     ddcap_options = {}
     if image_free_prob > 0:
         ddcap_options["image_free"] = torch.rand(b, generator=generator, device=tokens.device) < image_free_prob
@@ -69,7 +76,7 @@ def masked_diffusion_loss(model, images, tokens, kind: str, omega_l=0.5, omega_u
     else:
         loss = nll.mean()
     metrics = {"masked_fraction": masked.sum() / (tokens != model.pad_id).sum(),
-               "nll_masked": nll.mean().detach()}
+               "nll_masked": nll.detach().sum() / max(nll.numel(), 1)}
     if length_logits is not None:
         length_ce = ddcap.length_loss(length_logits, tokens, model.pad_id)
         loss = loss + length_ce
@@ -91,12 +98,14 @@ def autoregressive_io(tokens: torch.Tensor, bos_id: int, eos_id: int, pad_id: in
 
 
 def autoregressive_loss(model, images, tokens, parallel_prob: float = 0.0, generator=None):
-    """Cap (parallel_prob = 0) and CapPa: per example, with probability `parallel_prob`, every
-    input token is [MASK] and attention is bidirectional (parallel prediction)."""
+    """Cap (parallel_prob = 0) and CapPa: per example, with probability `parallel_prob`, the input
+    is [MASK] at every position, pads included, and attention is bidirectional (parallel prediction,
+    as big_vision's CapPa): with no pad to hide, the input does not reveal the caption's length. The
+    loss counts the caption tokens and EOS either way."""
     inputs, targets = autoregressive_io(tokens, model.bos_id, model.eos_id, model.pad_id)
     parallel = torch.rand(tokens.shape[0], generator=generator, device=tokens.device) < parallel_prob
     real = targets != model.pad_id
-    inputs = torch.where(parallel[:, None] & (inputs != model.pad_id), model.mask_id, inputs)
+    inputs = torch.where(parallel[:, None], model.mask_id, inputs)
     logits = model(images, inputs, causal=~parallel, where=real)
     loss = F.cross_entropy(logits, targets[real])
     return loss, {"parallel_fraction": parallel.float().mean()}

@@ -2,16 +2,18 @@
 
 - autoregressive: exact, the sum of teacher-forced token log-probabilities (EOS included);
 - masked diffusion, heuristic: pseudo-log-likelihood, each token masked alone, log-probs summed;
-- masked diffusion, Monte Carlo: the ELBO E_t[(1/t) Σ_masked log p_θ(c_0^i | C_t, V)] with K draws.
-  Candidates for the same image share the draws of t and of the per-position uniforms deciding
-  the mask (common random numbers), so their difference has low variance.
+- masked diffusion, Monte Carlo: the ELBO E_t[(1/t) Σ_masked log p_θ(c_0^i | C_t, V)] with K draws,
+  t ∈ [max(ω_l, T_MIN), ω_u] as in training. A draw that masks nothing adds 0: the estimate is
+  unbiased (E[(1/t)·#masked] = N). Candidates for the same image share the draws of t and of the
+  per-position uniforms deciding the mask (common random numbers), so their difference has low
+  variance.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mdc.objectives import autoregressive_io
+from mdc.objectives import T_MIN, autoregressive_io
 
 
 def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -52,9 +54,10 @@ def monte_carlo_elbo(model, images, candidates: list[torch.Tensor], num_samples:
                      generator: torch.Generator | None = None) -> list[torch.Tensor]:
     """ELBO estimates (one (B,) tensor per candidate) from `num_samples` draws of (t, mask).
 
-    t is stratified over the K draws (one per stratum of [ω_l, ω_u]); position i is masked when
-    u_i < t. With common random numbers every candidate sees the same t and u.
+    t is stratified over the K draws (one per stratum of [max(ω_l, T_MIN), ω_u]); position i is
+    masked when u_i < t. With common random numbers every candidate sees the same t and u.
     """
+    omega_l = max(omega_l, T_MIN)
     image_kv = model.image_keys_values(model.encode(images))
     b, length = candidates[0].shape[0], max(c.shape[1] for c in candidates)
     device = candidates[0].device

@@ -30,7 +30,7 @@ from mdc import checkpoint as ckpt
 from mdc import storage
 from mdc.config import ObjectiveConfig, RunConfig, dump_config
 from mdc.model import PRESETS, build_model
-from mdc.objectives import compute_loss
+from mdc.objectives import T_MIN, compute_loss
 from mdc.parallel import prepare_model
 from mdc.tokenizer import CaptionTokenizer
 from mdc.training import EMA, build_optimizer, build_scheduler, train_step
@@ -81,14 +81,15 @@ def _step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
 
 
 def validation_objective(objective: ObjectiveConfig) -> ObjectiveConfig:
-    """One yardstick across a sweep: the masked-diffusion ELBO over t ∈ [1e-3, 1] for every
-    masking objective (whatever its training schedule or ratio), exact NLL for AR ones; the
-    baselines outside the family (clip, cdlm) are validated on their own loss."""
+    """One yardstick across a sweep: for every masking objective (whatever its training schedule or
+    ratio) the masked-diffusion ELBO over t ∈ [T_MIN, 1] per non-pad token, estimated without bias
+    (mdc/objectives.py); exact NLL for AR ones; the baselines outside the family (clip, cdlm) are
+    validated on their own loss."""
     if objective.name in ("ar", "cappa"):
         return ObjectiveConfig(name="ar")
     if objective.name in ("clip", "cdlm"):
         return objective
-    return ObjectiveConfig(name="mdc", omega_l=1e-3, omega_u=1.0, antithetic=True)
+    return ObjectiveConfig(name="mdc", omega_l=T_MIN, omega_u=1.0, antithetic=True)
 
 
 @torch.no_grad()

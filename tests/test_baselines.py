@@ -89,6 +89,12 @@ def test_predict_length_and_image_free_are_for_masked_objectives_only():
         load_config(None, ["objective.name=cappa", "objective.image_free_prob=0.1"])
 
 
+@pytest.mark.parametrize("objective", ["ar", "cappa"])
+def test_time_conditioning_is_refused_for_autoregressive_objectives(objective):
+    with pytest.raises(ConfigError, match=rf"model.time_conditioning=true needs a noise level t, which '{objective}'"):
+        load_config(None, [f"objective.name={objective}", "model.time_conditioning=true"])
+
+
 @pytest.mark.parametrize("concentrated", [True, False])
 def test_concentrated_attention_mask_pattern(concentrated):
     model, _ = model_for(f"model.concentrated_attention={concentrated}")
@@ -187,6 +193,22 @@ def test_clip_loss_falls_and_matches_images_to_their_captions():
     history = [train_step(clip, optimizer, scheduler, pixels, tokens, cfg.objective, 1.0) for _ in range(60)]
     assert history[-1]["loss"] < 0.5 * history[0]["loss"]
     assert history[-1]["contrastive_accuracy"] == 1.0
+
+
+def test_clip_logit_scale_is_clamped_as_a_parameter_and_keeps_its_gradient():
+    """A step pushes the parameter past log(100); the next loss clamps the parameter itself, so the
+    scale is 100 and its gradient is not 0 (clamping exp() instead gave exactly 0 above 100)."""
+    clip, cfg = model_for("objective.name=clip")
+    optimizer = torch.optim.SGD([clip.logit_scale], lr=1.0)
+    clip.logit_scale.data.fill_(math.log(100.0) - 0.01)
+    clip.logit_scale.grad = torch.tensor([-1.0])
+    optimizer.step()
+    assert clip.logit_scale.item() > math.log(100.0)
+    loss, metrics = compute_loss(clip, images(3), captions(), cfg.objective)
+    loss.backward()
+    assert clip.logit_scale.item() == pytest.approx(math.log(100.0))
+    assert metrics["logit_scale"].item() == pytest.approx(100.0)
+    assert clip.logit_scale.grad.abs().item() > 0
 
 
 # -------------------------------------------------------------------------- CLIP-Diffusion-LM
