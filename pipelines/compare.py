@@ -4,7 +4,9 @@ Every objective is trained through the same Ray Train pipeline with the same con
 model, data; only `objective.name` differs), then its exported checkpoint is evaluated in this process:
 - probe: linear-probe top-1 on the dataset's labels (train/ fits, val/ tests), the encoder frozen;
 - compositionality: macro accuracy over the dataset's ARO and SugarCrepe files, with the objective's
-  own scorer (exact AR likelihood, Monte Carlo ELBO, CLIP cosine, denoising score);
+  own scorer (exact AR likelihood, Monte Carlo ELBO, CLIP cosine, denoising score), beside its
+  blind accuracy (each caption pair scored against another item's image) and the subsets whose
+  blind accuracy marks them as length- or text-biased;
 - BLEU-4 / CIDEr-D and captions per second of captions written at N' = `caption_length` on val/
   (CLIP writes none);
 - training images per second over the run (all workers).
@@ -29,7 +31,9 @@ from mdc.storage import join
 DEFAULT_OBJECTIVES = ("mdc", "ar", "cappa", "cmlm", "bert", "clip", "cdlm")
 COLUMNS = {  # field -> (column title, format)
     "objective": ("objective", "{}"), "probe_accuracy": ("probe acc.", "{:.3f}"),
-    "compositionality_accuracy": ("compositionality acc.", "{:.3f}"), "bleu4": ("BLEU-4", "{:.4f}"),
+    "compositionality_accuracy": ("compositionality acc.", "{:.3f}"),
+    "compositionality_blind_accuracy": ("blind acc.", "{:.3f}"), "text_biased": ("text-biased subsets", "{}"),
+    "bleu4": ("BLEU-4", "{:.4f}"),
     "cider": ("CIDEr-D", "{:.4f}"), "captions_per_s": ("captions/s", "{:.1f}"),
     "train_images_per_s": ("train images/s", "{:.1f}"), "final_loss": ("final loss", "{:.3f}"),
 }
@@ -40,6 +44,8 @@ class Row:
     objective: str
     probe_accuracy: float
     compositionality_accuracy: float
+    compositionality_blind_accuracy: float | None
+    text_biased: str  # comma-separated subsets whose blind accuracy is above BLIND_BIAS_THRESHOLD
     bleu4: float | None
     cider: float | None
     captions_per_s: float | None
@@ -53,29 +59,41 @@ class Row:
         return ["n/a" if getattr(self, f) is None else fmt.format(getattr(self, f)) for f, (_, fmt) in COLUMNS.items()]
 
 
-def evaluate_checkpoint(checkpoint: str, data_uri: str, endpoint_url: str | None = None, caption_length: int = 10,
-                        limit: int | None = 200, samples: int = 8, seed: int = 0) -> dict:
-    """The table's metrics of one exported checkpoint on a shapes-like dataset (labels, val/ captions,
-    compositionality/ files)."""
+def evaluate_checkpoint(checkpoint: str, data_uri: str, endpoint_url: str | None = None,
+                        caption_lengths: Sequence[int] = (10,), limit: int | None = 200, samples: int = 8,
+                        seed: int = 0, normalize: str = "none", probe: bool = True,
+                        compositionality: bool = True) -> dict:
+    """Flat metrics of one exported checkpoint on a shapes-like dataset (labels, val/ captions,
+    compositionality/ files): `probe_accuracy`; `compositionality_accuracy` and
+    `compositionality_blind_accuracy` (macro), `text_biased`, and per subset
+    `compositionality/BENCHMARK/SUBSET` and `blind/BENCHMARK/SUBSET`; `captions/N{n}/{bleu4,cider,
+    captions_per_s}` for each length the model can write (CLIP writes none)."""
     from mdc import shards
     from mdc.checkpoint import load_pretrained
-    from mdc.evaluation import captioning, compositionality, probe
+    from mdc.evaluation import captioning, compositionality as comp, probe as linear_probe
 
     model, cfg = load_pretrained(checkpoint, endpoint_url=endpoint_url)
     objective = cfg.objective.name
-    out = {"probe_accuracy": probe.probe_shapes(model, data_uri, endpoint_url)["accuracy"]}
-    root = join(data_uri, "compositionality")
-    items = {f"{benchmark}/{subset}": subset_items
-             for benchmark in compositionality.BENCHMARKS
-             for subset, subset_items in compositionality.read_benchmark(benchmark, root).items()}
-    _, score = compositionality.get_scorer("auto", objective)
-    out["compositionality_accuracy"] = compositionality.evaluate_compositionality(
-        model, items, score, samples=samples, seed=seed, limit=limit)["macro_accuracy"]
-    out.update(bleu4=None, cider=None, captions_per_s=None)
-    if objective != "clip":
+    out = {}
+    if probe:
+        out["probe_accuracy"] = linear_probe.probe_shapes(model, data_uri, endpoint_url)["accuracy"]
+    if compositionality:
+        root = join(data_uri, "compositionality")
+        items = {f"{benchmark}/{subset}": subset_items
+                 for benchmark in comp.BENCHMARKS
+                 for subset, subset_items in comp.read_benchmark(benchmark, root).items()}
+        _, score = comp.get_scorer("auto", objective)
+        result = comp.evaluate_compositionality(model, items, score, samples=samples, seed=seed, limit=limit,
+                                                normalize=normalize)
+        out.update(compositionality_accuracy=result["macro_accuracy"],
+                   compositionality_blind_accuracy=result["macro_blind_accuracy"],
+                   text_biased=", ".join(result["text_biased"]) or "none")
+        out.update({f"compositionality/{subset}": acc for subset, acc in result["accuracy"].items()})
+        out.update({f"blind/{subset}": acc for subset, acc in result["blind_accuracy"].items()})
+    if objective != "clip" and caption_lengths:
         images = captioning.group_by_image(shards.read_shards(join(data_uri, "val"), endpoint_url), limit)
-        result = captioning.evaluate_captions(model, objective, images, lengths=(caption_length,))
-        out.update(result["lengths"][str(caption_length)])
+        result = captioning.evaluate_captions(model, objective, images, lengths=tuple(caption_lengths))
+        out.update({f"captions/N{n}/{k}": v for n, m in result["lengths"].items() for k, v in m.items()})
     return out
 
 
@@ -138,11 +156,15 @@ def run_compare(objectives: Sequence[str], workdir: Path, data_uri: str | None =
             cfg = compare_config(base, objective, data_uri, name)
             console.print(f"[bold]{objective}[/bold]: training {cfg.train.steps} steps")
             summary = run_training(cfg, parent_run_id=parent)
-            metrics = evaluate_checkpoint(summary.checkpoint_uri, data_uri, endpoint_url, caption_length, limit,
+            metrics = evaluate_checkpoint(summary.checkpoint_uri, data_uri, endpoint_url, (caption_length,), limit,
                                           samples, cfg.train.seed)
-            row = Row(objective=objective, **metrics, train_images_per_s=summary.metrics["images_per_s"],
-                      final_loss=summary.metrics["loss"], checkpoint=summary.checkpoint_uri,
-                      mlflow_run_id=summary.mlflow_run_id)
+            row = Row(objective=objective, probe_accuracy=metrics["probe_accuracy"],
+                      compositionality_accuracy=metrics["compositionality_accuracy"],
+                      compositionality_blind_accuracy=metrics["compositionality_blind_accuracy"],
+                      text_biased=metrics["text_biased"],
+                      **{k: metrics.get(f"captions/N{caption_length}/{k}") for k in ("bleu4", "cider", "captions_per_s")},
+                      train_images_per_s=summary.metrics["images_per_s"], final_loss=summary.metrics["loss"],
+                      checkpoint=summary.checkpoint_uri, mlflow_run_id=summary.mlflow_run_id)
             rows.append(row)
             numbers = {f"compare/{k}": v for k, v in asdict(row).items() if isinstance(v, float)}
             log_evaluation(mlflow_uri, numbers, [], run_id=summary.mlflow_run_id)

@@ -58,7 +58,8 @@ def evaluate_demo_model(checkpoint_dir: str, data_uri: str, endpoint_url: str, w
     scorer_name, scorer = get_scorer("auto", cfg.objective.name)
     comp = evaluate_compositionality(model, read_benchmark("aro", local), scorer, samples=4, limit=100)
     return {"probe_accuracy": probe["accuracy"], "probe_random_init_accuracy": probe["random_init_accuracy"],
-            "compositionality_scorer": scorer_name, "compositionality": comp["accuracy"]}
+            "compositionality_scorer": scorer_name, "compositionality": comp["accuracy"],
+            "compositionality_blind": comp["blind_accuracy"], "compositionality_text_biased": comp["text_biased"]}
 
 
 def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), verbose: bool = False) -> dict:
@@ -106,8 +107,10 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
                   f"skipped {result.skipped or 'none'}")
     console.print(f"linear probe (shape of the first object, held out): {evaluation['probe_accuracy']:.3f} "
                   f"vs {evaluation['probe_random_init_accuracy']:.3f} at random init")
-    console.print(f"compositionality ({evaluation['compositionality_scorer']}): "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in evaluation["compositionality"].items()))
+    console.print(f"compositionality ({evaluation['compositionality_scorer']}; blind: another item's image): "
+                  + ", ".join(f"{k} {v:.3f} (blind {evaluation['compositionality_blind'][k]:.3f}"
+                              + (", text-biased)" if k in evaluation["compositionality_text_biased"] else ")")
+                              for k, v in evaluation["compositionality"].items()))
     console.print(f"report: {report}\ncheckpoint: {result.checkpoint_uri}\n"
                   f"MLflow: mlflow ui --backend-store-uri {cfg.mlflow_uri} (run {result.mlflow_run_id})\n"
                   f"summary: {workdir / 'summary.json'}", highlight=False)

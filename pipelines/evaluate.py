@@ -248,12 +248,14 @@ def compositionality_command(
         image_dir: Optional[Path] = typer.Option(None, help="image folder (default ROOT/images)"),
         subsets: Optional[str] = typer.Option(None, help="comma-separated subsets (default: every file present)"),
         scorer: str = SCORER, samples: int = SAMPLES, seed: int = 0,
+        normalize: str = typer.Option("none", help="none: summed log-likelihood | token: per-token mean"),
         limit: Optional[int] = typer.Option(None, help="score only the first N items of each subset"),
         batch_size: int = typer.Option(32, min=1),
         endpoint_url: Optional[str] = ENDPOINT, device: str = DEVICE,
         out: Path = typer.Option(Path("eval_compositionality.json")),
         mlflow_uri: str = MLFLOW_URI, run_id: Optional[str] = RUN_ID):
-    """ARO / SugarCrepe: share of images whose true caption scores above every manipulated one."""
+    """ARO / SugarCrepe: share of images whose true caption scores above every manipulated one, and
+    beside it the blind accuracy (each caption pair scored against another item's image)."""
     from mdc.evaluation import compositionality
 
     with user_errors():
@@ -262,11 +264,33 @@ def compositionality_command(
                                                 seed=seed)
         name, score = compositionality.get_scorer(scorer, cfg.objective.name)
         result = {"benchmark": benchmark, "scorer": name, "samples": samples, "checkpoint": checkpoint,
-                  **compositionality.evaluate_compositionality(model, items, score, samples, batch_size, seed, limit)}
+                  **compositionality.evaluate_compositionality(model, items, score, samples, batch_size, seed, limit,
+                                                               normalize)}
+    print_compositionality(result)
     metrics = {f"eval/{benchmark}/{subset}": acc for subset, acc in result["accuracy"].items()}
+    metrics |= {f"eval/{benchmark}/{subset}/blind": acc for subset, acc in result["blind_accuracy"].items()
+                if acc is not None}
     metrics[f"eval/{benchmark}/macro"] = result["macro_accuracy"]
     report(result, metrics, out, mlflow_uri, run_id, run_name(benchmark, name, checkpoint),
-           {"checkpoint": checkpoint, "benchmark": benchmark, "scorer": name, "samples": samples})
+           {"checkpoint": checkpoint, "benchmark": benchmark, "scorer": name, "samples": samples,
+            "normalize": normalize})
+
+
+def print_compositionality(result: dict) -> None:
+    """Accuracy beside blind accuracy per subset; text-biased subsets marked."""
+    from rich.table import Table
+
+    from mdc.evaluation.compositionality import BLIND_BIAS_THRESHOLD
+
+    table = Table(title=f"{result['benchmark']} ({result['scorer']}, normalize={result['normalize']})")
+    for column in ("subset", "items", "accuracy", "blind accuracy", ""):
+        table.add_column(column, justify="left" if column in ("subset", "") else "right")
+    for subset, accuracy in result["accuracy"].items():
+        blind = result["blind_accuracy"][subset]
+        flag = f"length/text-biased (blind > {BLIND_BIAS_THRESHOLD})" if subset in result["text_biased"] else ""
+        table.add_row(subset, str(result["num_items"][subset]), f"{accuracy:.3f}",
+                      "n/a" if blind is None else f"{blind:.3f}", flag)
+    console.print(table)
 
 
 @eval_app.command("captions")

@@ -22,6 +22,7 @@ def test_compare_trains_both_and_writes_one_table(ray_cluster, shapes_dir, tmp_p
     assert (clip.objective, cdlm.objective) == ("clip", "cdlm")
     for row in rows:
         assert 0.0 <= row.probe_accuracy <= 1.0 and 0.0 <= row.compositionality_accuracy <= 1.0
+        assert 0.0 <= row.compositionality_blind_accuracy <= 1.0 and row.text_biased
         assert row.train_images_per_s > 0
     assert clip.bleu4 is None and clip.captions_per_s is None  # CLIP writes no captions
     assert 0.0 <= cdlm.bleu4 <= 1.0 and cdlm.captions_per_s > 0

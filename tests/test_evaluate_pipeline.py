@@ -67,6 +67,7 @@ def test_every_command_writes_json_and_logs_to_mlflow(checkpoint, shapes_dir, tm
     assert json.loads((tmp_path / "zeroshot.json").read_text())["templates"] == ["a {}", "a red {}"]
     sugarcrepe = json.loads((tmp_path / "sugarcrepe.json").read_text())
     assert sugarcrepe["scorer"] == "montecarlo" and set(sugarcrepe["accuracy"]) == {"swap_obj", "swap_att"}
+    assert set(sugarcrepe["blind_accuracy"]) == {"swap_obj", "swap_att"} and sugarcrepe["normalize"] == "none"
     captions = json.loads((tmp_path / "captions.json").read_text())
     assert list(captions["lengths"]) == ["4", "8"] and captions["skipped_lengths"] == [20]
     report = (tmp_path / "report.html").read_text()
@@ -88,9 +89,10 @@ def test_results_go_into_the_training_run_with_run_id(checkpoint, shapes_dir, tm
     run_id = tracking.get_or_create_run(tracking.absolute_tracking_uri(mlflow_uri), "mdc", "train-run", {"lr": 1})
     invoke("compositionality", "--checkpoint", str(checkpoint), "--mlflow-uri", mlflow_uri, "--run-id", run_id,
            "--benchmark", "aro", "--root", str(shapes_dir / "compositionality"), "--scorer", "heuristic",
-           "--limit", "2", "--out", str(tmp_path / "aro.json"))
+           "--normalize", "token", "--limit", "2", "--out", str(tmp_path / "aro.json"))
     run = MlflowClient(tracking.absolute_tracking_uri(mlflow_uri)).get_run(run_id)
-    assert {"eval/aro/vg_relation", "eval/aro/vg_attribution", "eval/aro/macro"} <= set(run.data.metrics)
+    assert {"eval/aro/vg_relation", "eval/aro/vg_relation/blind", "eval/aro/macro"} <= set(run.data.metrics)
+    assert json.loads((tmp_path / "aro.json").read_text())["normalize"] == "token"
 
 
 def test_a_missing_field_fails_with_the_file_and_field(checkpoint, tmp_path):

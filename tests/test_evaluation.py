@@ -254,7 +254,7 @@ def test_shapes_compositionality_files_are_read_as_aro_and_sugarcrepe(shapes_dir
     model = probe.random_init(RunConfig.model_validate({"data": {"max_length": 16}}))
     result = comp.evaluate_shapes(model, "mdc", str(shapes_dir), samples=1, limit=2)
     assert result["scorer"] == "montecarlo" and result["aro"]["num_items"] == {"vg_relation": 2, "vg_attribution": 2}
-    assert set(result["sugarcrepe"]["accuracy"]) == {"swap_obj", "swap_att"}
+    assert set(result["sugarcrepe"]["accuracy"]) == set(result["sugarcrepe"]["blind_accuracy"]) == {"swap_obj", "swap_att"}
 
 
 # ----------------------------------------------------------------------------- caption metrics
@@ -339,6 +339,92 @@ def test_evaluation_counts_ties_as_wrong(tmp_path):
     model.image_size = 8
     result = comp.evaluate_compositionality(model, items, shorter_is_better, batch_size=2)
     assert result["accuracy"]["s"] == pytest.approx(1 / 3) and result["num_items"]["s"] == 3
+    assert result["blind_accuracy"]["s"] == pytest.approx(1 / 3)  # a text-only scorer: blind = accuracy
+    assert result["normalize"] == "none" and result["text_biased"] == []
+
+
+@pytest.mark.parametrize("n", [2, 3, 10, 101])
+def test_derangement_moves_every_item_and_is_fixed_by_the_seed(n):
+    order = comp.derangement(n, seed=4)
+    assert sorted(order) == list(range(n)) and all(order[i] != i for i in range(n))
+    assert order == comp.derangement(n, seed=4)
+
+
+def colour_items(tmp_path, n=6):
+    """Items whose true caption names the image's colour: red or blue squares, alternating."""
+    items = []
+    for i in range(n):
+        colour = ("red", "blue")[i % 2]
+        path = write_image(tmp_path / f"{i}.png", (255, 0, 0) if colour == "red" else (0, 0, 255))
+        items.append(comp.Item(str(path), [f"a {colour} square", f"a {('blue', 'red')[i % 2]} square"]))
+    return items
+
+
+def test_blind_accuracy_scores_each_caption_against_another_items_image(tmp_path):
+    """A scorer that reads the colour off the image wins every item, and blind only where the
+    deranged image happens to have the same colour."""
+    items = colour_items(tmp_path)
+
+    def colour_scorer(model, images, texts, samples=None, generator=None):
+        red = images[:, 0].mean((1, 2)) > images[:, 2].mean((1, 2))
+        return torch.tensor([[float(("red" in t[b]) == bool(red[b])) for t in texts] for b in range(len(images))])
+
+    model = torch.nn.Linear(1, 1)
+    model.image_size = 8
+    result = comp.evaluate_compositionality(model, {"c": items}, colour_scorer, batch_size=4, seed=1)
+    others = comp.derangement(len(items), seed=1)
+    same_colour = sum(i % 2 == j % 2 for i, j in enumerate(others)) / len(items)
+    assert result["accuracy"]["c"] == 1.0 and result["blind_accuracy"]["c"] == pytest.approx(same_colour)
+    assert result["macro_blind_accuracy"] == pytest.approx(same_colour)
+
+
+def test_token_normalisation_divides_by_the_terms_each_score_sums(tmp_path):
+    """A sum of −1 per token prefers the shorter caption; its per-token mean ties them (ties lose).
+    The autoregressive scorer's EOS is one more term; a cosine cannot be normalised."""
+    write_image(tmp_path / "a.png")
+    items = {"s": [comp.Item(str(tmp_path / "a.png"), ["a red circle", "a big red circle"])] * 2}
+
+    @comp.register_scorer("test-minus-one-per-token")
+    def minus_one_per_token(model, images, texts, samples=None, generator=None):
+        return -comp.token_counts(texts, model.max_length, 0).float()
+
+    model = torch.nn.Linear(1, 1)
+    model.image_size, model.max_length = 8, 8
+    try:
+        summed = comp.evaluate_compositionality(model, items, minus_one_per_token)
+        mean = comp.evaluate_compositionality(model, items, minus_one_per_token, normalize="token")
+    finally:
+        del comp.SCORERS["test-minus-one-per-token"]
+    assert summed["accuracy"]["s"] == 1.0 and mean["accuracy"]["s"] == 0.0 and mean["normalize"] == "token"
+    assert comp.token_counts([["a red circle"], ["a big red circle"]], 8, 1).tolist() == [[4, 5]]
+    with pytest.raises(ValueError, match="normalize='token' needs a scorer that sums over tokens"):
+        comp.evaluate_compositionality(model, items, comp.SCORERS["clip"], normalize="token")
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        comp.evaluate_compositionality(model, items, minus_one_per_token, normalize="mean")
+
+
+def test_longer_negatives_are_won_by_text_alone_and_flagged(tmp_path):
+    """SugarCrepe add_att layout, each negative one word longer: an untrained captioner prefers the
+    shorter caption with or without the right image, so its blind accuracy sits near its accuracy
+    and the subset is listed as text-biased."""
+    from mdc.config import RunConfig
+
+    colours, shapes = ("red", "green", "blue", "yellow"), ("circle", "square", "triangle")
+    entries = {}
+    for i in range(24):
+        colour, shape = colours[i % 4], shapes[i % 3]
+        write_image(tmp_path / "images" / f"{i}.png", (40 * (i % 6), 255 - 10 * i, 100))
+        entries[str(i)] = {"filename": f"{i}.png", "caption": f"a {colour} {shape}",
+                           "negative_caption": f"a {colour} {shape} {('left', 'small', 'big')[i % 3]}"}
+    (tmp_path / "add_att.json").write_text(json.dumps(entries))
+    items = comp.read_benchmark("sugarcrepe", tmp_path)
+    model = probe.random_init(RunConfig.model_validate({"data": {"max_length": 16}}))
+    result = comp.evaluate_compositionality(model, items, comp.SCORERS["montecarlo"], samples=4)
+    print(f"untrained, add_att one word longer: accuracy {result['accuracy']['add_att']:.3f}, "
+          f"blind {result['blind_accuracy']['add_att']:.3f}")
+    assert result["accuracy"]["add_att"] > 0.8
+    assert abs(result["blind_accuracy"]["add_att"] - result["accuracy"]["add_att"]) < 0.1
+    assert result["text_biased"] == ["add_att"]
 
 
 # ------------------------------------------------------------ on the demo recipe, trained here

@@ -4,6 +4,13 @@ Each test item is an image with its true caption and one or more manipulated one
 right when the true caption scores strictly above every manipulated one (ties count as wrong).
 Accuracy is reported per subset and as the macro average over subsets.
 
+Every likelihood score sums over tokens, so it prefers the shorter caption whatever the image shows
+(SugarCrepe's add_* negatives are one word longer). Beside each accuracy comes a *blind* accuracy:
+the same scorer with each item's image swapped for another item's (a fixed derangement), what the
+text alone wins. A subset whose blind accuracy is above BLIND_BIAS_THRESHOLD measures length or text
+priors, not vision, and is listed in `text_biased`. `normalize="token"` scores by the per-token mean
+log-likelihood instead of the sum.
+
 Layouts (ROOT is --root; images are looked up in IMAGES, default ROOT/images):
 - ARO VG-Relation / VG-Attribution: ROOT/visual_genome_{relation,attribution}.json, a list of
   {image_path, bbox_x, bbox_y, bbox_w, bbox_h, true_caption, false_caption, ...}; the image is cropped
@@ -47,6 +54,8 @@ ARO_FILES = {
 SUGARCREPE_SUBSETS = ("add_att", "add_obj", "replace_att", "replace_obj", "replace_rel", "swap_att", "swap_obj")
 BENCHMARKS = ("aro", "sugarcrepe")
 VG_FIELDS = ("image_path", "bbox_x", "bbox_y", "bbox_w", "bbox_h", "true_caption", "false_caption")
+BLIND_BIAS_THRESHOLD = 0.6
+NORMALIZATIONS = ("none", "token")
 NOUN_TAGS = {"NN", "NNS", "NNP", "NNPS"}
 ADJECTIVE_TAGS = {"JJ", "JJR", "JJS"}
 
@@ -201,8 +210,12 @@ AUTO_SCORER = {"ar": "ar", "cappa": "ar", "mdc": "montecarlo", "cmlm": "montecar
                "clip": "clip", "cdlm": "cdlm"}
 
 
-def register_scorer(name: str):
+def register_scorer(name: str, extra_terms: int | None = 0):
+    """`extra_terms`: how many terms the score sums beyond the caption's text tokens (1 for the
+    autoregressive EOS); None for a score that is not a sum over tokens (CLIP's cosine), which
+    per-token normalisation refuses."""
     def wrap(fn: ScoreFn) -> ScoreFn:
+        fn.extra_terms = extra_terms
         SCORERS[name] = fn
         return fn
     return wrap
@@ -225,7 +238,7 @@ def caption_tokens(model, texts: list[str]) -> torch.Tensor:
     return torch.from_numpy(tokens).to(next(model.parameters()).device)
 
 
-@register_scorer("ar")
+@register_scorer("ar", extra_terms=1)
 def exact_log_likelihood(model, images, texts, samples=None, generator=None) -> torch.Tensor:
     """Autoregressive captioners: exact log p(C | V) by teacher forcing."""
     return torch.stack([autoregressive_score(model, images, caption_tokens(model, t)) for t in texts], 1)
@@ -245,7 +258,7 @@ def monte_carlo_log_likelihood(model, images, texts, samples=16, generator=None)
                                         generator=generator), 1)
 
 
-@register_scorer("clip")
+@register_scorer("clip", extra_terms=None)
 def clip_cosine(model, images, texts, samples=None, generator=None) -> torch.Tensor:
     """CLIP: image–caption cosine similarity (no likelihood, but it ranks captions all the same)."""
     from mdc.clip_baseline import cosine_scores
@@ -277,32 +290,70 @@ def load_item_images(items: Sequence[Item], image_size: int) -> torch.Tensor:
     return torch.from_numpy(np.stack(out))
 
 
+def derangement(n: int, seed: int) -> list[int]:
+    """A fixed permutation with no fixed point (Sattolo's algorithm: a random n-cycle); n ≥ 2."""
+    rng, order = random.Random(seed), list(range(n))
+    for i in range(n - 1, 0, -1):
+        j = rng.randrange(i)
+        order[i], order[j] = order[j], order[i]
+    return order
+
+
+def token_counts(texts: list[list[str]], max_length: int, extra_terms: int) -> torch.Tensor:
+    """(B, K): the number of terms each candidate's score sums over."""
+    return torch.stack([torch.from_numpy((CaptionTokenizer(max_length).encode(t) != CaptionTokenizer.pad_id)
+                                         .sum(1)) for t in texts], 1) + extra_terms
+
+
 @torch.no_grad()
 def evaluate_compositionality(model, subsets: dict[str, list[Item]], score: ScoreFn, samples: int = 16,
-                              batch_size: int = 32, seed: int = 0, limit: int | None = None) -> dict:
-    """Accuracy per subset (true caption strictly best) and the macro average over subsets."""
+                              batch_size: int = 32, seed: int = 0, limit: int | None = None,
+                              normalize: str = "none") -> dict:
+    """Accuracy per subset (true caption strictly best) and its blind accuracy (each item scored
+    against another item's image), both with macro averages; subsets whose blind accuracy exceeds
+    BLIND_BIAS_THRESHOLD are listed in `text_biased`. A subset of one item has no blind accuracy
+    (None)."""
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+    extra_terms = getattr(score, "extra_terms", None)
+    if normalize == "token" and extra_terms is None:
+        raise ValueError("normalize='token' needs a scorer that sums over tokens (ar, heuristic, montecarlo, cdlm)")
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
-    accuracy, counts = {}, {}
+
+    def wins(image_items: list[Item], texts: list[list[str]]) -> int:
+        """How many of the texts' true captions win, scored against the images of `image_items`."""
+        scores = score(model, load_item_images(image_items, model.image_size).to(device), texts,
+                       samples=samples, generator=generator)
+        if normalize == "token":
+            scores = scores / token_counts(texts, model.max_length, extra_terms).to(scores)
+        return int((scores[:, 0] > scores[:, 1:].max(dim=1).values).sum())
+
+    accuracy, blind, counts = {}, {}, {}
     for name, items in subsets.items():
         items = items[:limit] if limit else items
-        correct = 0
+        others = derangement(len(items), seed) if len(items) > 1 else None
+        correct = blind_correct = 0
         for i in range(0, len(items), batch_size):
             batch = items[i:i + batch_size]
             num_captions = {len(item.captions) for item in batch}
             if len(num_captions) != 1:
                 raise ValueError(f"{name}: items of one subset must have the same number of captions")
-            images = load_item_images(batch, model.image_size).to(device)
             texts = [[item.captions[k] for item in batch] for k in range(num_captions.pop())]
-            scores = score(model, images, texts, samples=samples, generator=generator)
-            correct += int((scores[:, 0] > scores[:, 1:].max(dim=1).values).sum())
+            correct += wins(batch, texts)
+            if others is not None:
+                blind_correct += wins([items[j] for j in others[i:i + batch_size]], texts)
         accuracy[name], counts[name] = correct / max(len(items), 1), len(items)
-    return {"accuracy": accuracy, "macro_accuracy": float(np.mean(list(accuracy.values()))),
-            "num_items": counts}
+        blind[name] = blind_correct / len(items) if others is not None else None
+    blind_values = [v for v in blind.values() if v is not None]
+    return {"accuracy": accuracy, "blind_accuracy": blind, "macro_accuracy": float(np.mean(list(accuracy.values()))),
+            "macro_blind_accuracy": float(np.mean(blind_values)) if blind_values else None,
+            "text_biased": [name for name, v in blind.items() if v is not None and v > BLIND_BIAS_THRESHOLD],
+            "normalize": normalize, "num_items": counts}
 
 
 def evaluate_shapes(model, objective: str, data_uri: str, endpoint_url: str | None = None, scorer: str = "auto",
-                    samples: int = 16, limit: int | None = None) -> dict:
+                    samples: int = 16, limit: int | None = None, normalize: str = "none") -> dict:
     """ARO and SugarCrepe on the pairs `write_shapes_dataset` puts in DATA/compositionality (local
     or s3://; a bucket's copy is downloaded to a temporary folder first)."""
     import tempfile
@@ -321,5 +372,5 @@ def evaluate_shapes(model, objective: str, data_uri: str, endpoint_url: str | No
             pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
             root = Path(tmp)
         results = {benchmark: evaluate_compositionality(model, read_benchmark(benchmark, root), score, samples,
-                                                        limit=limit) for benchmark in BENCHMARKS}
+                                                        limit=limit, normalize=normalize) for benchmark in BENCHMARKS}
     return {"scorer": name, **results}
