@@ -59,8 +59,11 @@ class DataConfig(_Section):
     endpoint_url: str | None = None
     max_length: int = Field(32, ge=2, le=512)
     shuffle_buffer: int = Field(256, ge=0)
-    tokenizer_actors: int = Field(1, ge=1)
-    ingest_cpus: float = Field(0.25, gt=0.0, description="logical CPUs per read/decode task")
+    format: Literal["auto", "webdataset", "parquet"] = Field(
+        "auto", description="auto: the tars and every Parquet file that is not a tar's side file")
+    ingest_cpus: float | None = Field(None, gt=0.0, description="logical CPUs for reading and decoding; "
+                                      "default: the cluster's CPUs minus the training workers'")
+    stall_timeout_s: float = Field(300.0, gt=0.0, description="fail when no batch reaches a worker this long")
     subset_fraction: float | None = Field(None, gt=0.0, le=1.0,
                                           description="keep keys whose hash is below this: nested subsets")
     subset_salt: str = "subset"

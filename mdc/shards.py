@@ -15,7 +15,7 @@ import posixpath
 import tarfile
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Literal
+from typing import BinaryIO, Iterable, Iterator, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,12 +32,19 @@ MISSING_IMAGE = "missing_image"
 MISSING_CAPTION = "missing_caption"
 INVALID_JSON = "invalid_json"
 CORRUPT_PARQUET = "corrupt_parquet"
+FAILED_DOWNLOAD = "failed_download"  # an img2dataset row whose status is not "success"
 
 SkipCounts = Counter  # reason -> number of records skipped
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # in order of preference within one sample
 SHARD_SUFFIXES = (".tar", ".parquet")
 MANIFEST = "manifest.json"
+IMG2DATASET_STATS = "_stats.json"  # img2dataset's folder totals
+SUCCESS = "success"
+IMAGE_COLUMNS = ("jpg", "png", "webp", "image")
+CAPTION_COLUMNS = ("txt", "caption")
+READ_BUFFER_BYTES = 8 * 1024**2  # one ranged GET per 8 MiB on S3; the memory of one open shard
+ShardFormat = Literal["auto", "webdataset", "parquet"]
 PARQUET_SCHEMA = pa.schema([
     pa.field("key", pa.string(), nullable=False),
     pa.field("jpg", pa.binary()),
@@ -198,12 +205,13 @@ def _group_to_sample(key: str, parts: dict[str, bytes], skips: Counter) -> Sampl
     return _sample_from_parts(key, image, parts.get("txt"), parts.get("json"), skips)
 
 
-def iter_tar_bytes(data: bytes, source: str, skips: Counter) -> Iterator[Sample]:
-    """Samples of a tar held in memory. Members are grouped by key while consecutive (as WebDataset
-    does). A damaged tar yields the complete samples before the damage and counts TRUNCATED_TAR once;
+def iter_tar(f: BinaryIO, source: str, skips: Counter) -> Iterator[Sample]:
+    """Samples of a tar read member by member from a seekable file, so memory holds one sample
+    whatever the shard's size. Members are grouped by key while consecutive (as WebDataset does).
+    A damaged tar yields the complete samples before the damage and counts TRUNCATED_TAR once;
     the sample being read when the damage hit is dropped, since its parts may be missing."""
     try:
-        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:")
+        tar = tarfile.open(fileobj=f, mode="r:")
     except tarfile.TarError as e:
         _count_damaged(source, TRUNCATED_TAR, e, skips)
         return
@@ -218,59 +226,109 @@ def iter_tar_bytes(data: bytes, source: str, skips: Counter) -> Iterator[Sample]
                     yield sample
                 key, parts = member_key, {}
             parts[ext] = tar.extractfile(member).read()
+        # tarfile stops quietly where a header is cut short; a whole tar ends with 1024 zero bytes
+        f.seek(tar.offset)
+        tail = f.read(1024)
     except (tarfile.TarError, OSError, EOFError) as e:
         _count_damaged(source, TRUNCATED_TAR, e, skips)
         return
-    # tarfile stops quietly where a header is cut short; a whole tar ends with 1024 zero bytes
-    tail = data[tar.offset:tar.offset + 1024]
     if len(tail) < 1024 or tail.strip(b"\0"):
         _count_damaged(source, TRUNCATED_TAR, "no end-of-archive marker", skips)
     elif key is not None and (sample := _group_to_sample(key, parts, skips)):
         yield sample
 
 
-def _pick_column(table: pa.Table, names: tuple[str, ...], source: str) -> str:
-    for n in names:
-        if n in table.column_names:
+def _pick_column(names: list[str], wanted: tuple[str, ...], source: str) -> str:
+    for n in wanted:
+        if n in names:
             return n
-    raise ValueError(f"{source}: no column among {list(names)}; columns are {table.column_names}")
+    raise ValueError(f"{source}: no column among {list(wanted)}; columns are {names}")
 
 
-def iter_parquet_table(table: pa.Table, source: str, skips: Counter) -> Iterator[Sample]:
-    """Samples of a Parquet table with columns key, jpg (image bytes), txt (caption), optional json.
+def iter_parquet_batches(batches: Iterable[pa.RecordBatch], source: str, skips: Counter) -> Iterator[Sample]:
+    """Samples of Parquet record batches with columns key, jpg (image bytes), txt (caption), optional json.
 
-    img2dataset-style alternatives are accepted: png/webp/image for the image, caption for the text.
+    img2dataset's names are accepted too: png/webp/image for the image, caption for the text; rows
+    whose `status` is not "success" (its failed downloads and resizes) count as FAILED_DOWNLOAD.
     A missing column is a wrong file, not a bad record, so it raises ValueError naming the file."""
-    image_col = _pick_column(table, ("jpg", "png", "webp", "image"), source)
-    caption_col = _pick_column(table, ("txt", "caption"), source)
-    has_key, has_json = "key" in table.column_names, "json" in table.column_names
     row = 0
-    for batch in table.to_batches():
+    for batch in batches:
+        names = batch.schema.names
+        image_col = _pick_column(names, IMAGE_COLUMNS, source)
+        caption_col = _pick_column(names, CAPTION_COLUMNS, source)
         cols = batch.to_pydict()
         for i in range(batch.num_rows):
-            key = str(cols["key"][i]) if has_key else f"{source}#{row}"
-            meta = cols["json"][i] if has_json else None
-            sample = _sample_from_parts(key, cols[image_col][i], cols[caption_col][i], meta, skips)
+            key = str(cols["key"][i]) if "key" in cols else f"{source}#{row}"
             row += 1
-            if sample:
+            if "status" in cols and cols["status"][i] != SUCCESS:
+                skips[FAILED_DOWNLOAD] += 1
+                continue
+            meta = cols["json"][i] if "json" in cols else None
+            if sample := _sample_from_parts(key, cols[image_col][i], cols[caption_col][i], meta, skips):
                 yield sample
 
 
-def read_shards(uri: str, endpoint_url: str | None = None, skips: Counter | None = None) -> Iterator[Sample]:
-    """All samples of all .tar/.parquet shards under uri, in sorted shard order (single process:
-    for tests and small evaluations; training reads through Ray Data)."""
+def iter_parquet(f: BinaryIO, source: str, skips: Counter, batch_size: int = 256) -> Iterator[Sample]:
+    """Samples of a Parquet file read `batch_size` rows at a time; a damaged file counts CORRUPT_PARQUET once."""
+    try:
+        batches = pq.ParquetFile(f).iter_batches(batch_size=batch_size)
+        yield from iter_parquet_batches(batches, source, skips)
+    except (pa.ArrowException, OSError) as e:
+        _count_damaged(source, CORRUPT_PARQUET, e, skips)
+
+
+def iter_shard(uri: str, skips: Counter, endpoint_url: str | None = None) -> Iterator[Sample]:
+    """Samples of one .tar or .parquet shard, streamed from local disk or S3 in buffered chunks."""
+    fs, path = storage.open_fs(uri, endpoint_url)
+    try:
+        raw = fs.open_input_file(path)
+    except OSError as e:
+        raise storage.StorageError(f"cannot read {uri}: {e}") from e
+    with io.BufferedReader(raw, buffer_size=READ_BUFFER_BYTES) as f:
+        yield from (iter_tar if uri.endswith(".tar") else iter_parquet)(f, uri, skips)
+
+
+# ------------------------------------------------------------------------------------------ layout
+
+def _is_side_file(uri: str, tars: set[str]) -> bool:
+    """img2dataset writes NNNNN.parquet (metadata, no image column) beside each NNNNN.tar."""
+    return uri.endswith(".parquet") and uri.removesuffix(".parquet") + ".tar" in tars
+
+
+def list_shards(uri: str, format: ShardFormat = "auto", endpoint_url: str | None = None) -> list[str]:
+    """The data shards under uri, sorted: the tars for webdataset, the Parquet files for parquet,
+    and for auto every tar and every Parquet file that is not a tar's side file. Stats and other
+    files are never data. Raises StorageError naming the folder when it holds no such shard."""
+    files = storage.list_files(uri, SHARD_SUFFIXES, endpoint_url)
+    tars = {f for f in files if f.endswith(".tar")}
+    wanted = {"webdataset": lambda f: f in tars,
+              "parquet": lambda f: f.endswith(".parquet"),
+              "auto": lambda f: f in tars or not _is_side_file(f, tars)}[format]
+    found = [f for f in files if wanted(f)]
+    if not found:
+        kinds = {"webdataset": ".tar", "parquet": ".parquet", "auto": ".tar or .parquet"}[format]
+        raise storage.StorageError(f"no {kinds} shards under {uri} (data.format={format})")
+    return found
+
+
+def read_shards(uri: str, endpoint_url: str | None = None, skips: Counter | None = None,
+                format: ShardFormat = "auto") -> Iterator[Sample]:
+    """All samples of all shards under uri, in sorted shard order (single process: for tests and
+    small evaluations; training reads through Ray Data)."""
     skips = Counter() if skips is None else skips
-    for shard in storage.list_files(uri, SHARD_SUFFIXES, endpoint_url):
-        data = storage.read_bytes(shard, endpoint_url)
-        if shard.endswith(".tar"):
-            yield from iter_tar_bytes(data, shard, skips)
-            continue
-        try:
-            table = pq.read_table(pa.BufferReader(data))
-        except (pa.ArrowException, OSError) as e:
-            _count_damaged(shard, CORRUPT_PARQUET, e, skips)
-            continue
-        yield from iter_parquet_table(table, shard, skips)
+    for shard in list_shards(uri, format, endpoint_url):
+        yield from iter_shard(shard, skips, endpoint_url)
+
+
+def stats_total(uri: str, endpoint_url: str | None = None) -> int | None:
+    """Successful samples of an img2dataset folder, from its `_stats.json` totals (None without one)."""
+    path = storage.join(uri, IMG2DATASET_STATS)
+    try:
+        return int(json.loads(storage.read_bytes(path, endpoint_url))["successes"])
+    except storage.StorageError:
+        return None
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{path}: no readable 'successes' total: {e}") from e
 
 
 # --------------------------------------------------------------------------------------- manifest

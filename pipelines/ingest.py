@@ -1,23 +1,61 @@
 """Ray Data ingest: shards in object storage → decoded images + caption tokens, streamed.
 
-list shards → read (whole tar files as bytes, or Parquet row groups) → parse samples → decode,
-resize and tokenize in an actor pool → `iter_torch_batches` in each Ray Train worker. Nothing is
-materialised, so memory does not grow with the number of shards. Bad records are dropped where they
-are found and counted by reason in one `SkipCounter` actor, which the driver reads at the end.
+The shard list is made on the driver (img2dataset's side files left out), shuffled per epoch, and
+each shard is read by one call of a `ReadShards` actor that streams its members (tar) or row
+batches (Parquet), parses, decodes, resizes and tokenizes, and yields batches. One stage with
+resources chosen here replaces Ray's own read operators, whose listing task asks for a whole CPU:
+beside training workers on a small machine that task could never be scheduled (issue 11).
+
+The CPUs ingest may use are what the cluster has minus what the training workers hold
+(`ingest_resources`); readers get a quarter of that each on a small machine, one CPU each on a big
+one. Bad records are dropped where they are found and counted by reason in one `SkipCounter`
+actor. A training worker that gets no batch for `data.stall_timeout_s` fails with a
+`DataStallError` that says which operator has produced nothing and what it waits for.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import ray
 
-from mdc import shards, storage
+from mdc import shards
+from mdc.config import ConfigError
 from mdc.images import preprocess_batch
 from mdc.tokenizer import CaptionTokenizer
 
-SHARD_SUFFIXES = (".tar", ".parquet")
+MIN_READERS = 4  # readers that fit side by side in the ingest budget before each gets a whole CPU
+DECODE_BATCH = 64
+
+
+class DataStallError(RuntimeError):
+    """No batch reached a training worker within data.stall_timeout_s; the message says why."""
+
+
+@dataclass(frozen=True)
+class IngestResources:
+    """Logical CPUs for ingest beside the training workers, and how they are cut into readers."""
+
+    budget: float
+    cpus_per_reader: float
+    max_readers: int
+
+
+def ingest_resources(cluster_cpus: float, training_cpus: float, override: float | None = None) -> IngestResources:
+    """Ingest gets what the training workers leave (or `override`, data.ingest_cpus): at least
+    MIN_READERS readers fit in it, and none asks for more than one CPU, so a 2-CPU machine runs
+    four 0.25-CPU readers beside two 0.5-CPU workers and a 64-CPU node runs 60 one-CPU readers."""
+    budget = override if override is not None else cluster_cpus - training_cpus
+    if budget <= 0:
+        raise ConfigError(f"no CPU left for data ingest: the cluster has {cluster_cpus:g} CPUs and the "
+                         f"training workers hold {training_cpus:g}; lower train.cpus_per_worker or set data.ingest_cpus")
+    cpus = min(1.0, budget / MIN_READERS)
+    return IngestResources(budget, cpus, max(1, int(budget / cpus + 1e-9)))
 
 
 @ray.remote(num_cpus=0)
@@ -37,19 +75,6 @@ class SkipCounter:
         return {reason: len(ids) for reason, ids in sorted(self.seen.items())}
 
 
-def _report(counter, skips: Counter, scope: str) -> None:
-    """Counts from parsing one deterministic unit (`scope`) become per-record identities."""
-    if counter is not None and any(skips.values()):
-        counter.add.remote({reason: [f"{scope}#{i}" for i in range(n)] for reason, n in skips.items()})
-
-
-def _rows(samples) -> dict:
-    samples = list(samples)
-    return {"key": np.array([s.key for s in samples], dtype=object),
-            "jpg": np.array([s.image for s in samples], dtype=object),
-            "txt": np.array([s.caption for s in samples], dtype=object)}
-
-
 class Subset:
     """Nested deterministic subsets: a key is kept when its hash is below `fraction`, so the
     5M-pair subset lies inside the 10M one whatever the shard layout."""
@@ -57,87 +82,127 @@ class Subset:
     def __init__(self, fraction: float | None, salt: str):
         self.fraction, self.salt = fraction, salt
 
-    def __call__(self, samples):
-        if self.fraction is None:
-            return list(samples)
-        return [s for s in samples if shards.key_fraction(s.key, self.salt) < self.fraction]
+    def __call__(self, samples: Iterable[shards.Sample]) -> Iterator[shards.Sample]:
+        return (s for s in samples if self.fraction is None or shards.key_fraction(s.key, self.salt) < self.fraction)
 
 
-class ParseTar:
-    """One whole tar file (as bytes) → its samples; damaged files yield what precedes the damage."""
+class ReadShards:
+    """Actor: one shard path in → its samples out as decoded, tokenized batches of DECODE_BATCH,
+    yielded as they fill, so memory holds a batch and one open shard whatever the shard's size."""
 
-    def __init__(self, counter, subset: Subset):
-        self.counter, self.subset = counter, subset
-
-    def __call__(self, row: dict) -> list[dict]:
-        skips = Counter()
-        samples = self.subset(shards.iter_tar_bytes(row["bytes"], row["path"], skips))
-        _report(self.counter, skips, row["path"])
-        return [{"key": s.key, "jpg": s.image, "txt": s.caption} for s in samples]
-
-
-class ParseParquet:
-    """Parquet rows → the same (key, jpg, txt) rows as tars, with the same caption checks."""
-
-    def __init__(self, counter, subset: Subset):
-        self.counter, self.subset = counter, subset
-
-    def __call__(self, table) -> dict:
-        skips = Counter()
-        source = table["path"][0].as_py() if table.num_rows else "parquet"
-        batch = _rows(self.subset(shards.iter_parquet_table(table.drop_columns(["path"]), source, skips)))
-        _report(self.counter, skips, f"{source}@{table['key'][0].as_py() if 'key' in table.column_names else ''}")
-        return batch
-
-
-class DecodeAndTokenize:
-    """Actor-pool stage: holds the tokenizer; drops undecodable images and counts them."""
-
-    def __init__(self, image_size: int, max_length: int, counter):
-        self.image_size = image_size
+    def __init__(self, image_size: int, max_length: int, counter, endpoint_url: str | None, subset: Subset):
+        self.image_size, self.counter, self.endpoint_url, self.subset = image_size, counter, endpoint_url, subset
         self.tokenizer = CaptionTokenizer(max_length)
-        self.counter = counter
 
-    def __call__(self, batch: dict) -> dict:
-        images, ok = preprocess_batch(list(batch["jpg"]), self.image_size)
-        ok = np.asarray(ok, dtype=bool)
-        if self.counter is not None and not ok.all():
-            self.counter.add.remote({shards.UNDECODABLE_IMAGE: [str(k) for k in batch["key"][~ok]]})
-        captions = [str(c) for c in np.asarray(batch["txt"])[ok]]
+    def _decode(self, samples: list[shards.Sample]) -> dict:
+        images, ok = preprocess_batch([s.image for s in samples], self.image_size)
+        bad = [s.key for s, good in zip(samples, ok) if not good]
+        if bad and self.counter is not None:
+            self.counter.add.remote({shards.UNDECODABLE_IMAGE: bad})
+        captions = [s.caption for s, good in zip(samples, ok) if good]
         tokens = self.tokenizer.encode(captions) if captions else np.zeros((0, self.tokenizer.max_length), np.int64)
-        return {"image": images[ok], "tokens": tokens}
+        return {"image": images[np.asarray(ok, dtype=bool)], "tokens": tokens}
+
+    def __call__(self, batch: dict) -> Iterator[dict]:
+        for shard in batch["shard"]:
+            skips, pending = Counter(), []
+            for sample in self.subset(shards.iter_shard(str(shard), skips, self.endpoint_url)):
+                pending.append(sample)
+                if len(pending) == DECODE_BATCH:
+                    yield self._decode(pending)
+                    pending = []
+            if pending:
+                yield self._decode(pending)
+            if self.counter is not None and any(skips.values()):
+                self.counter.add.remote({reason: [f"{shard}#{i}" for i in range(n)] for reason, n in skips.items()})
 
 
-def build_dataset(uri: str, image_size: int, max_length: int, counter=None,
-                  endpoint_url: str | None = None, tokenizer_actors: int = 1,
-                  shuffle_files: bool = True, cpus: float = 0.25, subset_fraction: float | None = None,
-                  subset_salt: str = "subset") -> ray.data.Dataset:
+def build_dataset(uri: str, image_size: int, max_length: int, counter=None, endpoint_url: str | None = None,
+                  resources: IngestResources | None = None, shuffle_seed: int | None = 0,
+                  subset_fraction: float | None = None, subset_salt: str = "subset",
+                  format: shards.ShardFormat = "auto") -> ray.data.Dataset:
     """A streaming dataset of {"image": (3,S,S) float32, "tokens": (L,) int64} from shards at `uri`.
 
-    `cpus` is the logical CPU share of each read/parse/decode task or actor: small values keep a
-    2-core machine from deadlocking between training workers and ingest.
-    """
-    files = storage.list_files(uri, SHARD_SUFFIXES, endpoint_url)
-    if not files:
-        raise storage.StorageError(f"no .tar or .parquet shards under {uri}")
-    fs, _ = storage.open_fs(uri, endpoint_url)
-    paths = [storage.open_fs(f, endpoint_url)[1] for f in files]
-    tars = [p for p in paths if p.endswith(".tar")]
-    parquets = [p for p in paths if p.endswith(".parquet")]
-    shuffle = "files" if shuffle_files else None
-    subset = Subset(subset_fraction, subset_salt)
-    parts = []
-    if tars:
-        parts.append(ray.data.read_binary_files(tars, filesystem=fs, include_paths=True, shuffle=shuffle,
-                                               num_cpus=cpus)
-                     .flat_map(ParseTar(counter, subset), num_cpus=cpus))
-    if parquets:
-        parts.append(ray.data.read_parquet(parquets, filesystem=fs, include_paths=True, shuffle=shuffle,
-                                          num_cpus=cpus)
-                     .map_batches(ParseParquet(counter, subset), batch_format="pyarrow", num_cpus=cpus))
-    ds = parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
+    The shard order is shuffled anew each epoch from `shuffle_seed` (None: sorted order).
+    `resources` default to the whole cluster, for use outside training."""
+    files = shards.list_shards(uri, format, endpoint_url)
+    resources = resources or ingest_resources(ray.cluster_resources().get("CPU", 1.0), 0.0)
+    ds = ray.data.from_items([{"shard": f} for f in files], override_num_blocks=len(files))
+    if shuffle_seed is not None:
+        ds = ds.randomize_block_order(seed=ray.data.RandomSeedConfig(seed=shuffle_seed, reseed_after_execution=True))
     return ds.map_batches(
-        DecodeAndTokenize, fn_constructor_args=(image_size, max_length, counter),
-        batch_size=64, batch_format="numpy", num_cpus=cpus,
-        compute=ray.data.ActorPoolStrategy(size=tokenizer_actors),
+        ReadShards, fn_constructor_args=(image_size, max_length, counter, endpoint_url, Subset(subset_fraction, subset_salt)),
+        batch_size=1, batch_format="numpy", num_cpus=resources.cpus_per_reader,
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=min(resources.max_readers, len(files))),
     )
+
+
+# ------------------------------------------------------------------------------------------ stalls
+
+def stalled_operator() -> str:
+    """The first operator of the newest running training dataset that has completed no task,
+    from Ray Data's own progress records (what its progress bar shows)."""
+    from ray.data._internal.stats import STATS_ACTOR_NAME, STATS_ACTOR_NAMESPACE
+
+    try:
+        stats = ray.get_actor(STATS_ACTOR_NAME, namespace=STATS_ACTOR_NAMESPACE)
+        datasets = ray.get(stats.get_datasets.remote(), timeout=10)
+    except Exception as e:  # a diagnosis must never hide the stall it explains
+        return f"Ray Data's progress is unavailable ({type(e).__name__})"
+    running = [d for tag, d in datasets.items() if d.get("state") == "RUNNING" and tag.startswith("train")]
+    if not running:
+        return "no training dataset is running in Ray Data"
+    newest = max(running, key=lambda d: d.get("start_time", 0))
+    for tag, op in newest["operators"].items():
+        name = op.get("name", tag)
+        if op.get("progress", 0) == 0 and not name.startswith("Input"):
+            return f"Ray Data operator {name} has produced no rows ({op.get('queued_blocks', 0)} input blocks queued)"
+    return "every Ray Data operator has produced rows, but none reached this worker"
+
+
+def describe_stall(uri: str, timeout_s: float, rank: int, resources: IngestResources, training_cpus: float) -> str:
+    total, free = ray.cluster_resources().get("CPU", 0.0), ray.available_resources().get("CPU", 0.0)
+    return (f"no batch from {uri} reached training worker {rank} in {timeout_s:g} s (data.stall_timeout_s): "
+            f"{stalled_operator()}; ingest requests {resources.cpus_per_reader:g} CPU per reader "
+            f"(up to {resources.max_readers}, budget {resources.budget:g}) and {free:g} of the cluster's "
+            f"{total:g} CPUs are free, {training_cpus:g} held by the training workers")
+
+
+def with_stall_timeout(batches: Iterable, timeout_s: float, describe: Callable[[], str]) -> Iterator:
+    """Yield from `batches` (pulled one ahead by a thread); raise DataStallError(describe()) when
+    none arrives within `timeout_s`, instead of waiting for ever on a pipeline that cannot move."""
+    handoff: queue.Queue = queue.Queue(maxsize=1)
+    stop, end = threading.Event(), object()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                handoff.put(item, timeout=1.0)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def pull() -> None:
+        try:
+            for batch in batches:
+                if not put(batch):
+                    return
+            put(end)
+        except BaseException as e:  # re-raised in the consumer
+            put(e)
+
+    threading.Thread(target=pull, name="batch-pull", daemon=True).start()
+    try:
+        while True:
+            try:
+                item = handoff.get(timeout=timeout_s)
+            except queue.Empty:
+                raise DataStallError(describe()) from None
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

@@ -84,14 +84,22 @@ def read_dataset_manifest(root: str, endpoint_url: str | None = None) -> tuple[s
         raise ScalingError(str(err)) from None
 
 
-def split_total(train_uri: str, manifest_uri: str, manifest: dict) -> int:
-    """Samples in the split at `train_uri`, from its dataset's manifest."""
+def split_total(train_uri: str, manifest_uri: str, manifest: dict, endpoint_url: str | None = None) -> int:
+    """Samples in the split at `train_uri`: from its dataset's manifest, else from the totals
+    img2dataset keeps in the split's `_stats.json`."""
     split = posixpath.basename(train_uri.rstrip("/"))
     try:
         return int(manifest["splits"][split]["num_samples"])
     except (KeyError, TypeError):
-        raise ScalingError(f"{manifest_uri}: no field splits.{split}.num_samples (or no such file); "
-                           "pass --total") from None
+        pass
+    try:
+        total = shards.stats_total(train_uri, endpoint_url)
+    except ValueError as err:
+        raise ScalingError(str(err)) from None
+    if total is None:
+        raise ScalingError(f"{manifest_uri}: no field splits.{split}.num_samples (or no such file), and no "
+                           f"{shards.IMG2DATASET_STATS} in {train_uri}; pass --total")
+    return total
 
 
 def subset_fraction(size: int, total: int) -> float:
@@ -262,7 +270,7 @@ def scaling(ctx: typer.Context,
         base = absolute_paths(load_config(config, overrides + list(ctx.args)))
         size_list = parse_sizes(sizes)
         manifest_uri, manifest = read_dataset_manifest(parent_uri(data), base.data.endpoint_url)
-        total = total or split_total(data, manifest_uri, manifest)
+        total = total or split_total(data, manifest_uri, manifest, base.data.endpoint_url)
         for size in size_list:
             subset_fraction(size, total)
         probe = Probe(probe_dataset, absolute_uri(probe_data) or parent_uri(data), base.data.endpoint_url)

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -36,7 +37,8 @@ from mdc.tokenizer import CaptionTokenizer
 from mdc.training import EMA, build_optimizer, build_scheduler, train_step
 from pipelines import progress, reports, tracking
 from pipelines.console import console
-from pipelines.ingest import SkipCounter, build_dataset
+from pipelines.ingest import (DataStallError, SkipCounter, build_dataset, describe_stall, ingest_resources,
+                              with_stall_timeout)
 from pipelines.runtime import absolute_paths, check_inputs
 
 
@@ -159,14 +161,16 @@ def train_loop(loop_config: dict) -> None:
         val = ray.train.get_dataset_shard("val")
         val_batches = list(val.iter_torch_batches(batch_size=tc.batch_size, drop_last=False))
     train_data = ray.train.get_dataset_shard("train")
+    describe = partial(describe_stall, cfg.data.train_uri, cfg.data.stall_timeout_s, rank, loop_config["ingest"],
+                       tc.num_workers * tc.cpus_per_worker)
     tic, images_seen, tokens_seen = time.perf_counter(), 0, 0
     last_val = None
     while step < tc.steps:
         batches_this_epoch = 0
-        for batch in train_data.iter_torch_batches(  # one optimiser step's micro-batches at a time
+        for batch in with_stall_timeout(train_data.iter_torch_batches(  # one optimiser step's micro-batches
                 batch_size=tc.batch_size * tc.accumulation_steps, drop_last=True,
                 local_shuffle_buffer_size=cfg.data.shuffle_buffer or None,
-                local_shuffle_seed=tc.seed + epoch):
+                local_shuffle_seed=tc.seed + epoch), cfg.data.stall_timeout_s, describe):
             batches_this_epoch += 1
             if fault is not None:
                 fault.maybe_fire(step + 1, rank)
@@ -322,21 +326,23 @@ def _train(cfg: RunConfig, fault: Fault | None, parent_run_id: str | None, callb
     ray.data.DataContext.get_current().enable_operator_progress_bars = False  # one bar per dataset
     counter = SkipCounter.remote()
     size = image_size(cfg)
+    training_cpus = cfg.train.num_workers * cfg.train.cpus_per_worker
+    resources = ingest_resources(ray.cluster_resources().get("CPU", 0.0), training_cpus, data.ingest_cpus)
     datasets = {"train": build_dataset(data.train_uri, size, data.max_length, counter, data.endpoint_url,
-                                       data.tokenizer_actors, cpus=data.ingest_cpus,
-                                       subset_fraction=data.subset_fraction, subset_salt=data.subset_salt)}
+                                       resources, shuffle_seed=cfg.train.seed, subset_fraction=data.subset_fraction,
+                                       subset_salt=data.subset_salt, format=data.format)}
     if data.val_uri:
         n_val = cfg.train.val_batches * cfg.train.batch_size
         datasets["val"] = build_dataset(data.val_uri, size, data.max_length, counter, data.endpoint_url,
-                                        data.tokenizer_actors, shuffle_files=False,
-                                        cpus=data.ingest_cpus).limit(n_val).materialize()
+                                        shuffle_seed=None, format=data.format).limit(n_val).materialize()
 
     storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
     run_dir = storage.join(cfg.storage_uri if storage.is_s3(cfg.storage_uri) else storage_path, cfg.name)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"cfg": cfg.model_dump(), "mlflow_uri": mlflow_uri, "mlflow_run_id": run_id,
-                           "run_dir": run_dir, "fault": fault.__dict__ if fault else None, "progress": channel},
+                           "run_dir": run_dir, "fault": fault.__dict__ if fault else None, "progress": channel,
+                           "ingest": resources},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if cfg.train.use_gpu else {})}),
@@ -349,8 +355,11 @@ def _train(cfg: RunConfig, fault: Fault | None, parent_run_id: str | None, callb
     )
     try:
         trainer.fit()
-    except Exception:
+    except Exception as err:
         tracking.finish_run(mlflow_uri, run_id, "FAILED")
+        stall = next((e for e in getattr(err, "worker_failures", {}).values() if isinstance(e, DataStallError)), None)
+        if stall is not None:
+            raise DataStallError(str(stall.args[0] if stall.args else stall)) from None
         raise
     skipped = ray.get(counter.get.remote())
     if skipped:

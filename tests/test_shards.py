@@ -120,7 +120,7 @@ def test_bad_tar_records_are_skipped_and_counted():
         ("good2.png", encode(random_rgb(1), "PNG")), ("good2.txt", "  a cat \n".encode()),
     ])
     skips = Counter()
-    samples = list(shards.iter_tar_bytes(data, "mem.tar", skips))
+    samples = list(shards.iter_tar(io.BytesIO(data), "mem.tar", skips))
     assert [(s.key, s.caption) for s in samples] == [
         ("good1", "a dog"), ("corrupt", "a broken picture"), ("good2", "a cat")]
     assert skips == {shards.EMPTY_CAPTION: 1, shards.NON_UTF8_CAPTION: 1, shards.MISSING_CAPTION: 1,
@@ -141,7 +141,7 @@ def test_bad_parquet_records_are_skipped_and_counted():
         "json": [None, None, None, None, "{oops", '{"label": 3}'],
     })
     skips = Counter()
-    samples = list(shards.iter_parquet_table(table, "mem.parquet", skips))
+    samples = list(shards.iter_parquet_batches(table.to_batches(), "mem.parquet", skips))
     assert [(s.key, s.caption, s.meta) for s in samples] == [("good", "a dog", None), ("good2", "a cat", {"label": 3})]
     assert skips == {shards.EMPTY_CAPTION: 1, shards.MISSING_CAPTION: 1, shards.MISSING_IMAGE: 1,
                      shards.INVALID_JSON: 1}
@@ -150,14 +150,14 @@ def test_bad_parquet_records_are_skipped_and_counted():
 def test_parquet_binary_caption_column_counts_non_utf8_and_accepts_img2dataset_names():
     table = pa.table({"image": [GOOD_JPEG, GOOD_JPEG], "caption": [b"\xff\xfe", "fine".encode()]})
     skips = Counter()
-    samples = list(shards.iter_parquet_table(table, "mem.parquet", skips))
+    samples = list(shards.iter_parquet_batches(table.to_batches(), "mem.parquet", skips))
     assert [s.caption for s in samples] == ["fine"]
     assert skips == {shards.NON_UTF8_CAPTION: 1}
 
 
 def test_parquet_without_caption_column_names_the_file():
     with pytest.raises(ValueError, match="data.parquet.*txt"):
-        list(shards.iter_parquet_table(pa.table({"jpg": [GOOD_JPEG]}), "data.parquet", Counter()))
+        list(shards.iter_parquet_batches(pa.table({"jpg": [GOOD_JPEG]}).to_batches(), "data.parquet", Counter()))
 
 
 @pytest.mark.parametrize("where", ["inside member data", "inside a header", "at a member boundary", "garbage"])
@@ -170,7 +170,7 @@ def test_truncated_tar_yields_complete_samples_before_the_damage(tmp_path, caplo
     cut = {"inside member data": data[:k2 + 512 + 100], "inside a header": data[:k2 + 200],
            "at a member boundary": data[:offsets["k2.json"]], "garbage": b"not a tar at all" * 100}[where]
     skips = Counter()
-    keys = [s.key for s in shards.iter_tar_bytes(cut, "cut.tar", skips)]
+    keys = [s.key for s in shards.iter_tar(io.BytesIO(cut), "cut.tar", skips)]
     # a cut header hides whether it belonged to k1 (say k1.json), so k1 is dropped as possibly incomplete
     expected = {"garbage": [], "inside a header": ["k0"]}.get(where, ["k0", "k1"])
     assert keys == expected
