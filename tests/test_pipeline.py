@@ -183,7 +183,7 @@ def test_ingest_streams_parquet_and_tar_alike(ray_cluster, tmp_path):
     counts = {}
     for fmt in ("parquet", "webdataset"):
         counter = SkipCounter.remote()
-        ds = build_dataset(str(tmp_path / fmt / "train"), 32, 16, counter, shuffle_files=False)
+        ds = build_dataset(str(tmp_path / fmt / "train"), 32, 16, counter, shuffle_seed=None)
         batches = list(ds.iter_batches(batch_size=50, batch_format="numpy"))
         counts[fmt] = sum(len(b["tokens"]) for b in batches)
         assert batches[0]["image"].shape[1:] == (3, 32, 32)
