@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -168,41 +169,50 @@ def describe_stall(uri: str, timeout_s: float, rank: int, resources: IngestResou
             f"{total:g} CPUs are free, {training_cpus:g} held by the training workers")
 
 
-def with_stall_timeout(batches: Iterable, timeout_s: float, describe: Callable[[], str]) -> Iterator:
-    """Yield from `batches` (pulled one ahead by a thread); raise DataStallError(describe()) when
-    none arrives within `timeout_s`, instead of waiting for ever on a pipeline that cannot move."""
-    handoff: queue.Queue = queue.Queue(maxsize=1)
-    stop, end = threading.Event(), object()
+class BatchFeed:
+    """Batches handed over one ahead by a thread. A pipeline that yields nothing for `timeout_s`
+    raises DataStallError(describe()) instead of waiting for ever, and `wait_s` adds up the time
+    the consumer spent waiting for batches: its data wait."""
 
-    def put(item) -> bool:
-        while not stop.is_set():
+    def __init__(self, timeout_s: float, describe: Callable[[], str]):
+        self.timeout_s, self.describe, self.wait_s = timeout_s, describe, 0.0
+
+    def __call__(self, batches: Iterable) -> Iterator:
+        handoff: queue.Queue = queue.Queue(maxsize=1)
+        stop, end = threading.Event(), object()
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    handoff.put(item, timeout=1.0)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def pull() -> None:
             try:
-                handoff.put(item, timeout=1.0)
-                return True
-            except queue.Full:
-                continue
-        return False
+                for batch in batches:
+                    if not put(batch):
+                        return
+                put(end)
+            except BaseException as e:  # re-raised in the consumer
+                put(e)
 
-    def pull() -> None:
+        threading.Thread(target=pull, name="batch-feed", daemon=True).start()
         try:
-            for batch in batches:
-                if not put(batch):
+            while True:
+                start = time.perf_counter()
+                try:
+                    item = handoff.get(timeout=self.timeout_s)
+                except queue.Empty:
+                    raise DataStallError(self.describe()) from None
+                finally:
+                    self.wait_s += time.perf_counter() - start
+                if item is end:
                     return
-            put(end)
-        except BaseException as e:  # re-raised in the consumer
-            put(e)
-
-    threading.Thread(target=pull, name="batch-pull", daemon=True).start()
-    try:
-        while True:
-            try:
-                item = handoff.get(timeout=timeout_s)
-            except queue.Empty:
-                raise DataStallError(describe()) from None
-            if item is end:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()

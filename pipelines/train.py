@@ -37,9 +37,10 @@ from mdc.tokenizer import CaptionTokenizer
 from mdc.training import EMA, build_optimizer, build_scheduler, train_step
 from pipelines import progress, reports, tracking
 from pipelines.console import console
-from pipelines.ingest import (DataStallError, SkipCounter, build_dataset, describe_stall, ingest_resources,
-                              with_stall_timeout)
+from pipelines.ingest import BatchFeed, DataStallError, SkipCounter, build_dataset, describe_stall, ingest_resources
 from pipelines.runtime import absolute_paths, check_inputs
+
+DATA_WAIT_WARNING = 0.1  # share of step time spent waiting for batches above which the console warns
 
 
 @dataclass
@@ -161,16 +162,16 @@ def train_loop(loop_config: dict) -> None:
         val = ray.train.get_dataset_shard("val")
         val_batches = list(val.iter_torch_batches(batch_size=tc.batch_size, drop_last=False))
     train_data = ray.train.get_dataset_shard("train")
-    describe = partial(describe_stall, cfg.data.train_uri, cfg.data.stall_timeout_s, rank, loop_config["ingest"],
-                       tc.num_workers * tc.cpus_per_worker)
-    tic, images_seen, tokens_seen = time.perf_counter(), 0, 0
+    feed = BatchFeed(cfg.data.stall_timeout_s, partial(describe_stall, cfg.data.train_uri, cfg.data.stall_timeout_s,
+                                                       rank, loop_config["ingest"], tc.num_workers * tc.cpus_per_worker))
+    tic, images_seen, tokens_seen, waited = time.perf_counter(), 0, 0, 0.0
     last_val = None
     while step < tc.steps:
         batches_this_epoch = 0
-        for batch in with_stall_timeout(train_data.iter_torch_batches(  # one optimiser step's micro-batches
+        for batch in feed(train_data.iter_torch_batches(  # one optimiser step's micro-batches at a time
                 batch_size=tc.batch_size * tc.accumulation_steps, drop_last=True,
                 local_shuffle_buffer_size=cfg.data.shuffle_buffer or None,
-                local_shuffle_seed=tc.seed + epoch), cfg.data.stall_timeout_s, describe):
+                local_shuffle_seed=tc.seed + epoch)):
             batches_this_epoch += 1
             if fault is not None:
                 fault.maybe_fire(step + 1, rank)
@@ -193,11 +194,15 @@ def train_loop(loop_config: dict) -> None:
                 logger.log(metrics, step)
             if step % tc.log_every == 0 or step == tc.steps:
                 elapsed = time.perf_counter() - tic
-                metrics.update(images_per_s=images_seen / elapsed, tokens_per_s=tokens_seen / elapsed)
-                tic, images_seen, tokens_seen = time.perf_counter(), 0, 0
+                metrics.update(images_per_s=images_seen / elapsed, tokens_per_s=tokens_seen / elapsed,
+                               data_wait_fraction=(feed.wait_s - waited) / elapsed)
+                tic, images_seen, tokens_seen, waited = time.perf_counter(), 0, 0, feed.wait_s
                 if logger is not None:
-                    logger.log({k: metrics[k] for k in ("images_per_s", "tokens_per_s")}, step)
+                    logger.log({k: metrics[k] for k in ("images_per_s", "tokens_per_s", "data_wait_fraction")}, step)
                     logger.flush()
+                if reporter is not None and metrics["data_wait_fraction"] > DATA_WAIT_WARNING:
+                    reporter.note(f"{metrics['data_wait_fraction']:.0%} of the last steps' time was spent waiting "
+                                  "for data: ingest is the bottleneck (README: cores per GPU)", warning=True)
             if reporter is not None:
                 reporter.step(step, metrics, logged=step % tc.log_every == 0 or step == tc.steps)
             if step % tc.checkpoint_every == 0 or step == tc.steps:

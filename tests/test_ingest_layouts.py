@@ -17,7 +17,7 @@ from mdc import shards, storage
 from mdc.datasets.img2dataset import (FAILED_TO_DOWNLOAD, FAILED_TO_RESIZE, META_SCHEMA, damage_folder,
                                       generated_rows, sample_key, write_img2dataset_folder)
 from mdc.images import preprocess_batch
-from pipelines.ingest import DataStallError, ingest_resources, with_stall_timeout
+from pipelines.ingest import BatchFeed, DataStallError, ingest_resources
 
 ROWS = generated_rows(60, image_size=32)  # 44 successes, 8 failed downloads, 8 failed resizes
 SUCCESSES = sum(r.jpg is not None for r in ROWS)
@@ -138,14 +138,25 @@ def test_ingest_budget_is_what_training_leaves():
 
 
 def test_stall_guard_passes_batches_and_errors_through():
-    assert list(with_stall_timeout(iter(range(5)), 5, lambda: "unused")) == [0, 1, 2, 3, 4]
+    assert list(BatchFeed(5, lambda: "unused")(iter(range(5)))) == [0, 1, 2, 3, 4]
 
     def broken():
         yield 1
         raise OSError("disk gone")
 
     with pytest.raises(OSError, match="disk gone"):
-        list(with_stall_timeout(broken(), 5, lambda: "unused"))
+        list(BatchFeed(5, lambda: "unused")(broken()))
+
+
+def test_feed_adds_up_the_time_spent_waiting_for_batches():
+    def slow():
+        for i in range(4):
+            time.sleep(0.1)
+            yield i
+
+    feed = BatchFeed(5, lambda: "unused")
+    assert list(feed(slow())) == [0, 1, 2, 3]
+    assert feed.wait_s >= 0.35  # the consumer did nothing else: it waited for all four sleeps
 
 
 def test_stall_guard_fails_when_the_source_never_yields():
@@ -157,7 +168,7 @@ def test_stall_guard_fails_when_the_source_never_yields():
 
     start = time.monotonic()
     with pytest.raises(DataStallError, match="what it waited for"):
-        next(with_stall_timeout(silent(), 0.5, lambda: "what it waited for"))
+        next(BatchFeed(0.5, lambda: "what it waited for")(silent()))
     assert time.monotonic() - start < 5
     never.set()
 

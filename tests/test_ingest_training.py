@@ -1,11 +1,12 @@
 """Training to the end on img2dataset's own layouts on a 2-CPU Ray with two training workers (where
-parquet and mixed folders used to hang with zero rows), bad records counted by reason, and a
-pipeline that never yields failing with one error that says what it waited for."""
+parquet and mixed folders used to hang with zero rows), bad records counted by reason, the data
+wait logged, and a pipeline that never yields failing with one error that says what it waited for."""
 
 import os
 import time
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from mdc import shards, storage
 from mdc.config import load_config
@@ -64,6 +65,9 @@ def test_mixed_folder_trains(ray_cluster, tmp_path):
     summary = run(tmp_path, "mixed", tmp_path / "mixed")
     assert summary.metrics["step"] == 2
     assert summary.skipped == {shards.FAILED_DOWNLOAD: sum(r.jpg is None for r in ROWS[30:])}
+    waits = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(summary.mlflow_run_id,
+                                                                                  "data_wait_fraction")
+    assert [m.step for m in waits] == [1, 2] and all(0 <= m.value <= 1 for m in waits)
 
 
 def test_a_source_that_never_yields_fails_with_one_error(ray_cluster, tmp_path, monkeypatch):
