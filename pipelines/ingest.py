@@ -1,8 +1,8 @@
 """Ray Data ingest: shards in object storage → decoded images + caption tokens, streamed.
 
 The shard list is made on the driver (img2dataset's side files left out), shuffled per epoch, and
-each shard is read by one call of a `ReadShards` actor that streams its members (tar) or row
-batches (Parquet), parses, decodes, resizes and tokenizes, and yields batches. One stage with
+each shard is read by one `read_shards` task that streams its members (tar) or row batches
+(Parquet), parses, decodes, resizes and tokenizes, and yields batches. One stage with
 resources chosen here replaces Ray's own read operators, whose listing task asks for a whole CPU:
 beside training workers on a small machine that task could never be scheduled (issue 11).
 
@@ -15,6 +15,7 @@ actor. A training worker that gets no batch for `data.stall_timeout_s` fails wit
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -87,35 +88,38 @@ class Subset:
         return (s for s in samples if self.fraction is None or shards.key_fraction(s.key, self.salt) < self.fraction)
 
 
-class ReadShards:
-    """Actor: one shard path in → its samples out as decoded, tokenized batches of DECODE_BATCH,
+@functools.lru_cache(maxsize=4)
+def _tokenizer(max_length: int) -> CaptionTokenizer:
+    """One tokenizer per Ray worker process: Ray reuses its processes across tasks and epochs, so
+    the load is paid once, not at every epoch as an actor pool's would be."""
+    return CaptionTokenizer(max_length)
+
+
+def _decode(samples: list[shards.Sample], image_size: int, max_length: int, counter) -> dict:
+    images, ok = preprocess_batch([s.image for s in samples], image_size)
+    bad = [s.key for s, good in zip(samples, ok) if not good]
+    if bad and counter is not None:
+        counter.add.remote({shards.UNDECODABLE_IMAGE: bad})
+    captions = [s.caption for s, good in zip(samples, ok) if good]
+    tokens = _tokenizer(max_length).encode(captions) if captions else np.zeros((0, max_length), np.int64)
+    return {"image": images[np.asarray(ok, dtype=bool)], "tokens": tokens}
+
+
+def read_shards(batch: dict, image_size: int, max_length: int, counter, endpoint_url: str | None,
+                subset: Subset) -> Iterator[dict]:
+    """One task: shard paths in → their samples out as decoded, tokenized batches of DECODE_BATCH,
     yielded as they fill, so memory holds a batch and one open shard whatever the shard's size."""
-
-    def __init__(self, image_size: int, max_length: int, counter, endpoint_url: str | None, subset: Subset):
-        self.image_size, self.counter, self.endpoint_url, self.subset = image_size, counter, endpoint_url, subset
-        self.tokenizer = CaptionTokenizer(max_length)
-
-    def _decode(self, samples: list[shards.Sample]) -> dict:
-        images, ok = preprocess_batch([s.image for s in samples], self.image_size)
-        bad = [s.key for s, good in zip(samples, ok) if not good]
-        if bad and self.counter is not None:
-            self.counter.add.remote({shards.UNDECODABLE_IMAGE: bad})
-        captions = [s.caption for s, good in zip(samples, ok) if good]
-        tokens = self.tokenizer.encode(captions) if captions else np.zeros((0, self.tokenizer.max_length), np.int64)
-        return {"image": images[np.asarray(ok, dtype=bool)], "tokens": tokens}
-
-    def __call__(self, batch: dict) -> Iterator[dict]:
-        for shard in batch["shard"]:
-            skips, pending = Counter(), []
-            for sample in self.subset(shards.iter_shard(str(shard), skips, self.endpoint_url)):
-                pending.append(sample)
-                if len(pending) == DECODE_BATCH:
-                    yield self._decode(pending)
-                    pending = []
-            if pending:
-                yield self._decode(pending)
-            if self.counter is not None and any(skips.values()):
-                self.counter.add.remote({reason: [f"{shard}#{i}" for i in range(n)] for reason, n in skips.items()})
+    for shard in batch["shard"]:
+        skips, pending = Counter(), []
+        for sample in subset(shards.iter_shard(str(shard), skips, endpoint_url)):
+            pending.append(sample)
+            if len(pending) == DECODE_BATCH:
+                yield _decode(pending, image_size, max_length, counter)
+                pending = []
+        if pending:
+            yield _decode(pending, image_size, max_length, counter)
+        if counter is not None and any(skips.values()):
+            counter.add.remote({reason: [f"{shard}#{i}" for i in range(n)] for reason, n in skips.items()})
 
 
 def build_dataset(uri: str, image_size: int, max_length: int, counter=None, endpoint_url: str | None = None,
@@ -132,9 +136,9 @@ def build_dataset(uri: str, image_size: int, max_length: int, counter=None, endp
     if shuffle_seed is not None:
         ds = ds.randomize_block_order(seed=ray.data.RandomSeedConfig(seed=shuffle_seed, reseed_after_execution=True))
     return ds.map_batches(
-        ReadShards, fn_constructor_args=(image_size, max_length, counter, endpoint_url, Subset(subset_fraction, subset_salt)),
+        read_shards, fn_args=(image_size, max_length, counter, endpoint_url, Subset(subset_fraction, subset_salt)),
         batch_size=1, batch_format="numpy", num_cpus=resources.cpus_per_reader,
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=min(resources.max_readers, len(files))),
+        compute=ray.data.TaskPoolStrategy(size=resources.max_readers),
     )
 
 
