@@ -154,12 +154,13 @@ def stalled_operator() -> str:
         datasets = ray.get(stats.get_datasets.remote(), timeout=10)
     except Exception as e:  # a diagnosis must never hide the stall it explains
         return f"Ray Data's progress is unavailable ({type(e).__name__})"
-    running = [d for tag, d in datasets.items() if d.get("state") == "RUNNING" and tag.startswith("train")]
+    # PENDING too: Ray Data publishes progress every 5 s, so a young dataset may not show RUNNING yet
+    running = [d for tag, d in datasets.items() if d.get("state") in ("PENDING", "RUNNING") and tag.startswith("train")]
     if not running:
         return "no training dataset is running in Ray Data"
     newest = max(running, key=lambda d: d.get("start_time", 0))
     for tag, op in newest["operators"].items():
-        name = op.get("name", tag)
+        name = op.get("name") or tag.rsplit("_", 1)[0]  # tags are NAME_INDEX
         if op.get("progress", 0) == 0 and not name.startswith("Input"):
             return f"Ray Data operator {name} has produced no rows ({op.get('queued_blocks', 0)} input blocks queued)"
     return "every Ray Data operator has produced rows, but none reached this worker"

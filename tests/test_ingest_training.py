@@ -81,12 +81,10 @@ def test_a_source_that_never_yields_fails_with_one_error(ray_cluster, tmp_path, 
         return ray.data.from_items([{"x": 0}]).map_batches(never_yields, num_cpus=0.25)
 
     monkeypatch.setattr(train, "build_dataset", silent_dataset)
-    start = time.monotonic()
-    with pytest.raises(DataStallError) as info:
+    with pytest.raises(DataStallError) as info:  # within this test's timeout, although the source never ends
         run(tmp_path, "stall", tmp_path, data__stall_timeout_s=5, train__max_failures=0)
     message = str(info.value)
     assert f"no batch from {tmp_path} reached training worker" in message
     assert "in 5 s (data.stall_timeout_s)" in message
-    assert "MapBatches(never_yields) has produced no rows" in message
+    assert "Ray Data operator MapBatches(never_yields) has produced no rows" in message
     assert "CPU per reader" in message and "of the cluster's 2 CPUs are free, 1 held by the training workers" in message
-    assert time.monotonic() - start < 240  # the stall itself is 5 s; the rest is starting Ray Train
