@@ -30,7 +30,8 @@ TEST_VALUES = {
     "BUCKET": "mdc-test-bucket", "DATA": "s3://mdc-test-data/cc3m", "PROBE_DATA": "s3://mdc-test-data/shapes",
     "RUN_NAME": "vit-b16-test",
     "MLFLOW_URI": "http://mlflow.example.com:5000", "GPU_INSTANCE_TYPE": "g5.xlarge", "GPU_WORKERS": "4",
-    "HEAD_INSTANCE_TYPE": "m5.2xlarge", "AWS_REGION": "us-west-2",
+    "HEAD_INSTANCE_TYPE": "m5.2xlarge", "AWS_REGION": "us-west-2", "CPU_WORKERS": "3",
+    "CPU_INSTANCE_TYPE": "c6i.8xlarge",
 }
 YAMLS = sorted(CLUSTER.rglob("*.yaml"))
 TEMPLATES = [p for p in YAMLS if PLACEHOLDER.search(p.read_text())]
@@ -111,12 +112,14 @@ def test_dockerfile_copies_paths_that_exist_and_pins_the_ray_in_use():
 # --------------------------------------------------------------------------------------- KubeRay
 
 def check_ray_cluster_spec(spec: dict, where: str) -> None:
-    """The RayClusterSpec fields KubeRay needs, one GPU worker group, the project image everywhere."""
+    """The RayClusterSpec fields KubeRay needs, one GPU worker group, one fixed CPU-only group for
+    Ray Data (up before training, since the ingest budget is counted at its start), the project image
+    everywhere."""
     assert str(spec["rayVersion"]) == RAY_VERSION, f"{where}: rayVersion != RAY_VERSION in cluster/Dockerfile"
     groups = [("headGroupSpec", spec["headGroupSpec"])]
     assert spec["workerGroupSpecs"], f"{where}: no workerGroupSpecs"
     groups += [(f"workerGroupSpecs[{g['groupName']}]", g) for g in spec["workerGroupSpecs"]]
-    gpu_groups = []
+    gpu_groups, cpu_groups = [], []
     for name, group in groups:
         params = group["rayStartParams"]
         assert isinstance(params, dict) and all(isinstance(v, str) for v in params.values()), \
@@ -130,11 +133,16 @@ def check_ray_cluster_spec(spec: dict, where: str) -> None:
             if "nvidia.com/gpu" in container["resources"]["limits"]:
                 gpu_groups.append(name)
                 assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+            elif name != "headGroupSpec":
+                cpu_groups.append(name)
+                assert int(container["resources"]["requests"]["cpu"]) >= 16, f"{where}: {name}: cores for decoding"
+                assert group["minReplicas"] == int(TEST_VALUES["CPU_WORKERS"]), f"{where}: {name} starts with the cluster"
         if name != "headGroupSpec":
             counts = [group["minReplicas"], group["replicas"], group["maxReplicas"]]
             assert all(isinstance(n, int) for n in counts) and counts == sorted(counts), \
                 f"{where}: {name}: minReplicas <= replicas <= maxReplicas, got {counts}"
     assert gpu_groups and "headGroupSpec" not in gpu_groups, f"{where}: GPUs belong to a worker group"
+    assert len(cpu_groups) == 1, f"{where}: one CPU-only worker group for Ray Data, got {cpu_groups}"
 
 
 def test_raycluster_has_cpu_head_and_gpu_workers():
@@ -191,9 +199,12 @@ def test_aws_cluster_launcher_config_matches_rays_schema():
     types = config["available_node_types"]
     assert config["head_node_type"] in types
     assert isinstance(config["max_workers"], int)
-    [gpu] = [t for name, t in types.items() if name != config["head_node_type"]]
+    assert set(types) == {config["head_node_type"], "gpu", "cpu"}
+    gpu, cpu = types["gpu"], types["cpu"]
     assert gpu["node_config"]["InstanceType"] == TEST_VALUES["GPU_INSTANCE_TYPE"]
-    assert gpu["max_workers"] <= config["max_workers"]
+    assert cpu["node_config"]["InstanceType"] == TEST_VALUES["CPU_INSTANCE_TYPE"]
+    assert cpu["min_workers"] == cpu["max_workers"] == int(TEST_VALUES["CPU_WORKERS"])  # up before training
+    assert gpu["max_workers"] + cpu["max_workers"] <= config["max_workers"]
     assert config["docker"]["image"] == TEST_VALUES["IMAGE"]
 
 
