@@ -14,7 +14,7 @@ from mdc.datasets.img2dataset import damage_folder, generated_rows, write_img2da
 from pipelines import train
 from pipelines.ingest import DataStallError
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]  # ~1 min alone; minutes on a shared machine
 
 ROWS = generated_rows(60, image_size=32)
 
@@ -62,12 +62,12 @@ def test_parquet_folder_with_failed_rows_trains(ray_cluster, tmp_path):
 def test_mixed_folder_trains(ray_cluster, tmp_path):
     write_img2dataset_folder(ROWS[:30], str(tmp_path / "mixed" / "web"), "webdataset", samples_per_shard=10)
     write_img2dataset_folder(ROWS[30:], str(tmp_path / "mixed" / "par"), "parquet", samples_per_shard=10)
-    summary = run(tmp_path, "mixed", tmp_path / "mixed")
-    assert summary.metrics["step"] == 2
+    summary = run(tmp_path, "mixed", tmp_path / "mixed", train__steps=3)  # two batches a worker per epoch
+    assert summary.metrics["step"] == 3
     assert summary.skipped == {shards.FAILED_DOWNLOAD: sum(r.jpg is None for r in ROWS[30:])}
     waits = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(summary.mlflow_run_id,
                                                                                   "data_wait_fraction")
-    assert [m.step for m in waits] == [1, 2] and all(0 <= m.value <= 1 for m in waits)
+    assert [m.step for m in waits] == [1, 2, 3] and all(0 <= m.value <= 1 for m in waits)
 
 
 def test_a_source_that_never_yields_fails_with_one_error(ray_cluster, tmp_path, monkeypatch):
