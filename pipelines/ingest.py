@@ -96,7 +96,7 @@ def _tokenizer(max_length: int) -> CaptionTokenizer:
 
 
 def _decode(samples: list[shards.Sample], image_size: int, max_length: int, counter) -> dict:
-    images, ok = preprocess_batch([s.image for s in samples], image_size)
+    images, ok = preprocess_batch([s.image for s in samples], image_size, normalized=False)
     bad = [s.key for s, good in zip(samples, ok) if not good]
     if bad and counter is not None:
         counter.add.remote({shards.UNDECODABLE_IMAGE: bad})
@@ -126,7 +126,8 @@ def build_dataset(uri: str, image_size: int, max_length: int, counter=None, endp
                   resources: IngestResources | None = None, shuffle_seed: int | None = 0,
                   subset_fraction: float | None = None, subset_salt: str = "subset",
                   format: shards.ShardFormat = "auto") -> ray.data.Dataset:
-    """A streaming dataset of {"image": (3,S,S) float32, "tokens": (L,) int64} from shards at `uri`.
+    """A streaming dataset of {"image": (3,S,S) uint8, "tokens": (L,) int64} from shards at `uri`;
+    the consumer normalises the pixels (`mdc.images.normalize`), where it is cheap (on the GPU).
 
     The shard order is shuffled anew each epoch from `shuffle_seed` (None: sorted order).
     `resources` default to the whole cluster, for use outside training."""

@@ -30,6 +30,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from mdc import checkpoint as ckpt
 from mdc import storage
 from mdc.config import ObjectiveConfig, RunConfig, dump_config
+from mdc.images import normalize
 from mdc.model import PRESETS, build_model
 from mdc.objectives import T_MIN, compute_loss
 from mdc.parallel import prepare_model
@@ -102,7 +103,7 @@ def validation_loss(model, val_batches, objective: ObjectiveConfig, seed: int, d
     total, count = 0.0, 0
     for i, batch in enumerate(val_batches):
         gen = _step_generator(seed, 0, -1 - i, device)
-        loss, _ = compute_loss(model, batch["image"].to(device), batch["tokens"].to(device),
+        loss, _ = compute_loss(model, normalize(batch["image"].to(device)), batch["tokens"].to(device),
                                validation_objective(objective), gen)
         total, count = total + float(loss), count + 1
     model.train()
@@ -176,7 +177,7 @@ def train_loop(loop_config: dict) -> None:
             if fault is not None:
                 fault.maybe_fire(step + 1, rank)
             step += 1
-            images, tokens = batch["image"].to(device), batch["tokens"].to(device)
+            images, tokens = normalize(batch["image"].to(device)), batch["tokens"].to(device)
             metrics = train_step(model, optimizer, scheduler, images, tokens, cfg.objective,
                                  cfg.optim.grad_clip, _step_generator(tc.seed, rank, step, device), ema,
                                  micro_batches=tc.accumulation_steps)
