@@ -1,47 +1,67 @@
-"""Ingest throughput: the Ray Data pipeline (read → parse → decode+resize → tokenize, streamed)
-against a plain single-process loop over the same shards. Reported as images/s and their ratio.
+"""Ingest benchmarks on img2dataset-style shards of 256-px JPEGs (its `keep_ratio` output), decoded,
+resized and cropped to 224 (uint8; training normalises on its device) and tokenized, as training
+consumes them.
 
-    python -m benchmarks.ingest [--num 4000] [--image-size 224] [--actors 2]
+Speed: the Ray Data pipeline (every CPU of the local Ray) against a plain single-process loop over
+the same shards, as images/s, their ratio and the ratio per Ray CPU.
+Memory (`--memory`): the peak of the summed proportional set size (PSS) of this driver and every
+Ray process while the pipeline streams the same samples written as many small shards and as a
+few large ones; the ratio says whether memory depends on shard size. Ray's own baseline (the
+processes started and idle) is reported beside the peaks.
+
+    python -m benchmarks.ingest [--num 2000] [--shards 4]
+    python -m benchmarks.ingest --memory [--num 8000] [--shards 8,2]
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
 import tempfile
+import threading
 import time
 
 import numpy as np
 import ray
 
 from mdc import shards
-from mdc.datasets.shapes import write_shapes_dataset
+from mdc.datasets.img2dataset import generated_rows, write_img2dataset_folder
 from mdc.images import preprocess_batch
 from mdc.tokenizer import CaptionTokenizer
-from pipelines.ingest import build_dataset
-from pipelines.runtime import connect_ray
+from pipelines.ingest import build_dataset, ingest_resources
+
+IMAGE_SIZE, SOURCE_SIZE, MAX_LENGTH, BATCH = 224, 256, 32, 64
 
 
-def plain_loop(uri: str, image_size: int, max_length: int, batch: int = 64) -> int:
-    tokenizer = CaptionTokenizer(max_length)
+def write_folder(root: str, num: int, num_shards: int) -> str:
+    out = os.path.join(root, f"{num_shards}-shards")
+    write_img2dataset_folder(generated_rows(num, SOURCE_SIZE, failed_every=0), out, "webdataset",
+                             samples_per_shard=-(-num // num_shards))
+    return out
+
+
+def plain_loop(uri: str) -> int:
+    tokenizer = CaptionTokenizer(MAX_LENGTH)
     pending, count = [], 0
 
-    def flush():
-        images, ok = preprocess_batch([s.image for s in pending], image_size)
+    def flush() -> int:
+        images, ok = preprocess_batch([s.image for s in pending], IMAGE_SIZE, normalized=False)
         tokenizer.encode([s.caption for s, good in zip(pending, ok) if good])
         return int(np.sum(ok))
 
     for sample in shards.read_shards(uri):
         pending.append(sample)
-        if len(pending) == batch:
+        if len(pending) == BATCH:
             count += flush()
             pending = []
     return count + (flush() if pending else 0)
 
 
-def ray_pipeline(uri: str, image_size: int, max_length: int, actors: int, cpus: float) -> int:
-    ds = build_dataset(uri, image_size, max_length, tokenizer_actors=actors, cpus=cpus)
-    return sum(len(b["tokens"]) for b in ds.iter_batches(batch_size=64, batch_format="numpy"))
+def ray_pipeline(uri: str) -> int:
+    ds = build_dataset(uri, IMAGE_SIZE, MAX_LENGTH, shuffle_seed=None)
+    return sum(len(b["tokens"]) for b in ds.iter_batches(batch_size=BATCH, batch_format="numpy"))
 
 
 def timed(fn, *args) -> tuple[int, float]:
@@ -50,26 +70,97 @@ def timed(fn, *args) -> tuple[int, float]:
     return n, time.perf_counter() - start
 
 
+def _descendants(root: int) -> list[int]:
+    """`root` and every process below it (the local Ray's raylet, GCS and workers), from /proc."""
+    parents = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+        except (OSError, IndexError, ValueError):
+            pass
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += parents.get(pid, [])
+    return found
+
+
+def pss_gib() -> float:
+    """Summed proportional set size of this process and its descendants (Linux smaps_rollup)."""
+    total_kib = 0
+    for pid in _descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total_kib += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except (OSError, StopIteration):
+            pass
+    return total_kib / 1024**2
+
+
+def peak_pss_while(fn, *args, every_s: float = 0.25) -> tuple[float, object]:
+    peak, done = [pss_gib()], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(every_s):
+            peak.append(pss_gib())
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        result = fn(*args)
+    finally:
+        done.set()
+        thread.join()
+    return max(peak), result
+
+
+def speed(args) -> dict:
+    with tempfile.TemporaryDirectory() as root:
+        uri = write_folder(root, args.num, int(args.shards))
+        n_plain, t_plain = timed(plain_loop, uri)
+        ray.init(object_store_memory=512 * 1024**2)
+        ray_pipeline(uri)  # warm: workers, tokenizer
+        n_ray, t_ray = timed(ray_pipeline, uri)
+        cpus = ingest_resources(ray.cluster_resources()["CPU"], 0.0).budget
+        ray.shutdown()
+    assert n_plain == n_ray, (n_plain, n_ray)
+    ratio = (n_ray / t_ray) / (n_plain / t_plain)
+    return {"images": n_plain, "source_px": SOURCE_SIZE, "image_size": IMAGE_SIZE, "ray_cpus": cpus,
+            "plain_images_per_s": n_plain / t_plain, "ray_images_per_s": n_ray / t_ray,
+            "ratio_ray_over_plain": ratio, "ray_per_cpu_over_plain": ratio / cpus}
+
+
+def memory(args) -> dict:
+    counts = [int(c) for c in args.shards.split(",")]
+    result = {"images": args.num, "source_px": SOURCE_SIZE, "image_size": IMAGE_SIZE}
+    with tempfile.TemporaryDirectory() as root:
+        uris = {c: write_folder(root, args.num, c) for c in counts}
+        ray.init(object_store_memory=512 * 1024**2)
+        ray_pipeline(uris[counts[0]])  # warm, then measure Ray's idle baseline
+        time.sleep(2)
+        result["ray_baseline_gib"] = pss_gib()
+        for c in counts:
+            peak, n = peak_pss_while(ray_pipeline, uris[c])
+            assert n == args.num, (c, n)
+            result[f"peak_gib_{c}_shards_of_{-(-args.num // c)}"] = peak
+        ray.shutdown()
+    peaks = [v for k, v in result.items() if k.startswith("peak_gib")]
+    result["peak_ratio_few_large_over_many_small"] = peaks[-1] / peaks[0]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num", type=int, default=4000)
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--actors", type=int, default=2)
-    parser.add_argument("--cpus", type=float, default=0.25, help="logical CPUs per ingest task/actor "
-                        "(the pipeline's default; actors × cpus must leave room for the read tasks)")
+    parser.add_argument("--num", type=int, default=2000, help="samples")
+    parser.add_argument("--shards", default=None, help="shard count (speed, default 4) or counts to "
+                        "compare (--memory, default 8,2)")
+    parser.add_argument("--memory", action="store_true", help="peak PSS by shard size instead of speed")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as root:
-        write_shapes_dataset(root, num=args.num, seed=0, val_fraction=0.0, samples_per_shard=250)
-        uri = f"{root}/train"
-        n_plain, t_plain = timed(plain_loop, uri, args.image_size, 32)
-        connect_ray()
-        ray_pipeline(uri, args.image_size, 32, args.actors, args.cpus)  # warm: workers, tokenizer
-        n_ray, t_ray = timed(ray_pipeline, uri, args.image_size, 32, args.actors, args.cpus)
-        ray.shutdown()
-    result = {"images": n_plain, "image_size": args.image_size, "plain_images_per_s": n_plain / t_plain,
-              "ray_images_per_s": n_ray / t_ray, "ratio_ray_over_plain": (n_ray / t_ray) / (n_plain / t_plain),
-              "ray_actors": args.actors}
-    assert n_plain == n_ray, (n_plain, n_ray)
+    args.shards = args.shards or ("8,2" if args.memory else "4")
+    result = memory(args) if args.memory else speed(args)
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
 
 

@@ -45,6 +45,22 @@ def data_tuxpaint(out: str = typer.Option(..., help="output folder or s3://bucke
     console.print(manifest)
 
 
+@data_app.command("img2dataset")
+def data_img2dataset(out: str = typer.Option(..., help="output folder (local)"),
+                     format: str = typer.Option("webdataset", help="img2dataset's --output_format: webdataset | parquet"),
+                     num: int = typer.Option(200, min=1), samples_per_shard: int = typer.Option(50, min=1),
+                     image_size: int = typer.Option(64, min=8, help="shorter side of the JPEGs"),
+                     damaged: bool = typer.Option(False, help="also break it as real downloads break")):
+    """A folder laid out exactly as img2dataset writes it (side files, failed rows), from generated images."""
+    from mdc.datasets.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
+
+    with user_errors(ValueError):
+        stats = write_img2dataset_folder(generated_rows(num, image_size), out, format, samples_per_shard)
+    console.print({k: stats[k] for k in ("count", "successes", "failed_to_download", "failed_to_resize")})
+    if damaged:
+        console.print({"damaged": damage_folder(out, format)})
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def train(ctx: typer.Context,
           config: Path = typer.Option(DEFAULT_CONFIG, help="YAML run config"),
