@@ -7,6 +7,7 @@ from the bucket → MLflow in SQLite under the work folder → a summary with ca
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 from rich.table import Table
@@ -45,13 +46,16 @@ def evaluate_demo_model(checkpoint_dir: str, data_uri: str, endpoint_url: str, w
     """Linear probe on the held-out shapes labels (against the same architecture at random init)
     and ARO-style compositionality on the shapes pairs, scored by the objective's own scorer."""
     import pyarrow.fs as pafs
+    from sklearn.exceptions import ConvergenceWarning
 
     from mdc import storage
     from mdc.evaluation.compositionality import evaluate_compositionality, get_scorer, read_benchmark
     from mdc.evaluation.probe import probe_shapes, random_init
 
     model, cfg = load_pretrained(checkpoint_dir)
-    probe = probe_shapes(model, data_uri, endpoint_url, baseline=random_init(cfg))
+    with warnings.catch_warnings():  # lbfgs at its iteration limit for some C of the sweep: 8 lines of noise
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        probe = probe_shapes(model, data_uri, endpoint_url, baseline=random_init(cfg))
     fs, path = storage.open_fs(f"{data_uri}/compositionality", endpoint_url)
     local = workdir / "compositionality"
     pafs.copy_files(path, str(local), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())

@@ -216,6 +216,8 @@ def run_scaling(base: RunConfig, sizes: list[int], total: int, name: str, probe:
             try:
                 summary = run_training(cfg)
                 accuracy = probe(summary.checkpoint_uri)
+            except SystemError:
+                raise  # how Ray passes on an interrupt (Ctrl-C, a timeout) that came while it waited: stop
             except Exception as err:
                 error_uri = storage.join(cfg.storage_uri, cfg.name, ERROR)
                 storage.write_bytes(error_uri, traceback.format_exc().encode(), endpoint)
