@@ -12,6 +12,7 @@ from mdc.config import load_config
 from pipelines.console import VERBOSE_OPTION, Settings, console, report_failures, user_errors
 from pipelines.evaluate import eval_app
 from pipelines.scaling import scaling
+from pipelines.study import study
 from pipelines.submit import submit
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -167,6 +168,7 @@ def compare(ctx: typer.Context,
 EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 app.command("submit", context_settings=EXTRA_ARGS)(submit)
 app.command("scaling", context_settings=EXTRA_ARGS)(scaling)
+app.command("study")(study)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,444 @@
+"""`mdc study --plan PLAN.yaml [--out DIR]`: claims measured over seeds, with paired differences.
+
+A plan (YAML, `Plan` below) names the datasets, the arms (each a set of config overrides on a shared
+budget), the seeds, the evaluations and the claims. Every arm × seed is one training run through the
+same Ray Train pipeline as `mdc train` (`pipelines.train.run_training`), an MLflow child of the
+study's parent run, then evaluated in this process as `mdc compare` evaluates
+(`pipelines.compare.evaluate_checkpoint`). A run's metrics go to OUT/runs/RUN/result.json, written
+last: launching the study again skips every finished run, and an interrupted one resumes from its
+last checkpoint (same run name).
+
+Each claim compares arm a with arm b on one metric. Seed s of both arms shares the seed (weights,
+data order, noise), so the differences d_s = a_s − b_s are paired; the report gives their mean and
+the 95% Student-t interval mean ± t(0.975, n − 1) · sd(d) / √n over the n seeds. The verdict is
+`holds` when the interval lies on the expected side (`greater`: above 0; `less`: below 0;
+`at_least`: above −margin), `reversed` when it lies wholly on the other side, else `inconclusive`.
+Written to OUT as study.json, results.md and claims.png, and logged to the parent MLflow run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import typer
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from rich.console import Console
+from rich.table import Table
+
+from mdc.config import ConfigError, RunConfig, load_config
+from mdc.storage import join
+
+console = Console(soft_wrap=True)
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+RESULT = "result.json"
+CONFIDENCE = 0.95
+VERDICTS = ("holds", "reversed", "inconclusive")
+CLAIM_FIELDS = ("name", "metric", "arm_a", "arm_b", "seeds", "values_a", "values_b", "mean_diff", "ci_low",
+                "ci_high", "verdict")
+# Metrics a run reports (pipelines.compare.evaluate_checkpoint plus the training summary), by pattern.
+RUN_METRICS = {
+    r"final_loss|val_loss|train_images_per_s": None,
+    r"probe_accuracy": "probe",
+    r"probe_random_init_accuracy|probe_gain": "probe_baseline",
+    r"compositionality_accuracy|compositionality_blind_accuracy": "compositionality",
+    r"(compositionality|blind)/(aro|sugarcrepe)/\w+": "compositionality",
+    r"captions/N(\d+)/(bleu4|cider|captions_per_s)": "captions",
+}
+
+
+class StudyError(ValueError):
+    """A plan that cannot run, or results a claim cannot use; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DatasetPlan(_Strict):
+    """Where an arm's data comes from: generated shapes, Debian's Tux Paint stamps, or existing
+    shards (a dataset root with train/, val/ and, for compositionality, compositionality/)."""
+
+    kind: Literal["shapes", "tuxpaint", "shards"] = "shapes"
+    num: int = Field(2000, ge=10, description="shapes: images to generate")
+    uri: Optional[str] = Field(None, description="shards: the dataset root")
+
+    @model_validator(mode="after")
+    def _uri(self) -> DatasetPlan:
+        if (self.kind == "shards") != (self.uri is not None):
+            raise ValueError("uri is required for kind 'shards' and only for it")
+        return self
+
+
+class Evaluations(_Strict):
+    probe: bool = True
+    probe_baseline: bool = Field(False, description="also probe the arm's ViT at random init: "
+                                 "probe_random_init_accuracy, probe_gain")
+    compositionality: bool = True
+    normalize: Literal["none", "token"] = "none"
+    caption_lengths: list[int] = Field(default_factory=lambda: [10], description="N' of the captions metrics")
+    limit: int = Field(200, ge=1, description="images per evaluation (captions, each compositionality subset)")
+    samples: int = Field(8, ge=1, description="Monte Carlo draws per caption score")
+
+
+class Claim(_Strict):
+    name: str
+    metric: str
+    arm_a: str
+    arm_b: Optional[str] = Field(None, description="none: arm a's metric against 0 (e.g. probe_gain)")
+    expect: Literal["greater", "less", "at_least"] = "greater"
+    margin: float = Field(0.0, ge=0.0, description="at_least: how far a may trail b and still hold")
+
+
+class Plan(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    config: Optional[str] = Field(None, description="base run config, relative to the plan file")
+    seeds: list[int] = Field(min_length=2)
+    budget: dict[str, Any] = Field(default_factory=dict, description="overrides shared by every run")
+    datasets: dict[str, DatasetPlan] = Field(default_factory=lambda: {"shapes": DatasetPlan()}, min_length=1)
+    arms: dict[str, dict[str, Any]] = Field(min_length=2, description="overrides per arm; `data` names a dataset")
+    evaluations: Evaluations = Evaluations()
+    claims: list[Claim] = Field(min_length=1)
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct(cls, seeds: list[int]) -> list[int]:
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"seeds must be distinct, got {seeds}")
+        return seeds
+
+    @model_validator(mode="after")
+    def _references(self) -> Plan:
+        for arm, overrides in self.arms.items():
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", arm):
+                raise ValueError(f"arms.{arm}: arm names are letters, digits, '_', '.', '-'")
+            data = overrides.get("data", next(iter(self.datasets)))
+            if data not in self.datasets:
+                raise ValueError(f"arms.{arm}.data: {data!r} is not one of the datasets {sorted(self.datasets)}")
+        for i, claim in enumerate(self.claims):
+            for side in ("arm_a", "arm_b") if claim.arm_b is not None else ("arm_a",):
+                if getattr(claim, side) not in self.arms:
+                    raise ValueError(f"claims.{i}.{side}: {getattr(claim, side)!r} is not one of the arms "
+                                     f"{sorted(self.arms)}")
+            if claim.arm_a == claim.arm_b:
+                raise ValueError(f"claims.{i}: arm_a and arm_b are both {claim.arm_a!r}")
+            self._check_metric(i, claim.metric)
+        return self
+
+    def _check_metric(self, i: int, metric: str) -> None:
+        for pattern, evaluation in RUN_METRICS.items():
+            match = re.fullmatch(pattern, metric)
+            if match is None:
+                continue
+            if evaluation == "captions":
+                if int(match.group(1)) not in self.evaluations.caption_lengths:
+                    raise ValueError(f"claims.{i}.metric: {metric!r} needs {match.group(1)} in "
+                                     f"evaluations.caption_lengths {self.evaluations.caption_lengths}")
+            elif evaluation is not None and not getattr(self.evaluations, evaluation):
+                raise ValueError(f"claims.{i}.metric: {metric!r} needs evaluations.{evaluation}: true")
+            return
+        raise ValueError(f"claims.{i}.metric: unknown metric {metric!r}; expected one of the patterns "
+                         f"{list(RUN_METRICS)}")
+
+
+def _explain(err: ValidationError, source: str) -> StudyError:
+    lines = []
+    for e in err.errors():
+        message = "unknown field" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        field = ".".join(str(p) for p in e["loc"])
+        lines.append(f"  {field}: {message}" if field else f"  {message}")  # cross-field checks name theirs
+    return StudyError(f"invalid plan {source}:\n" + "\n".join(lines))
+
+
+def load_plan(path: Path) -> Plan:
+    path = Path(path)
+    if not path.is_file():
+        raise StudyError(f"plan file not found: {path}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise StudyError(f"{path}: top level must be a mapping")
+    try:
+        return Plan.model_validate(raw)
+    except ValidationError as err:
+        raise _explain(err, str(path)) from None
+
+
+# ------------------------------------------------------------------------------ runs of a plan
+
+def arm_dataset(plan: Plan, arm: str) -> str:
+    """The dataset an arm trains and is evaluated on: its `data`, else the plan's first."""
+    return plan.arms[arm].get("data", next(iter(plan.datasets)))
+
+
+def dataset_root(plan: Plan, arm: str, out: Path) -> str:
+    name = arm_dataset(plan, arm)
+    spec = plan.datasets[name]
+    return spec.uri if spec.kind == "shards" else str(out / "data" / name)
+
+
+def run_name(plan: Plan, arm: str, seed: int) -> str:
+    return f"{plan.name}-{arm}-s{seed}"
+
+
+def run_configs(plan: Plan, plan_path: Path, out: Path) -> dict[tuple[str, int], RunConfig]:
+    """Every (arm, seed)'s validated config: base config ← study paths ← budget ← arm ← seed.
+    A config error names the arm and the field, before anything runs."""
+    base = Path(plan_path).parent / plan.config if plan.config else DEFAULT_CONFIG
+    configs = {}
+    for arm, overrides in plan.arms.items():
+        overrides = {k: v for k, v in overrides.items() if k != "data"}
+        root = dataset_root(plan, arm, out)
+        study = {"storage_uri": str(out / "checkpoints"), "mlflow_uri": f"sqlite:///{out / 'mlflow.db'}",
+                 "data.train_uri": join(root, "train"), "data.val_uri": join(root, "val")}
+        for seed in plan.seeds:
+            items = {**study, **plan.budget, **overrides, "train.seed": seed, "name": run_name(plan, arm, seed)}
+            try:
+                configs[arm, seed] = load_config(base, [f"{k}={_yaml_scalar(v)}" for k, v in items.items()])
+            except ConfigError as err:
+                raise StudyError(f"arms.{arm} (seed {seed}): {err}") from None
+    for i, claim in enumerate(plan.claims):
+        match = re.fullmatch(r"captions/N(\d+)/.*", claim.metric)
+        for arm in filter(None, (claim.arm_a, claim.arm_b)):
+            cfg = configs[arm, plan.seeds[0]]
+            if claim.metric.startswith(("compositionality", "blind/")) and \
+                    plan.datasets[arm_dataset(plan, arm)].kind == "tuxpaint":
+                raise StudyError(f"claims.{i}.metric: arm {arm!r} trains on Tux Paint, which has no caption pairs")
+            if match and int(match.group(1)) > cfg.data.max_length:
+                raise StudyError(f"claims.{i}.metric: arm {arm!r} cannot write {match.group(1)}-token captions "
+                                 f"(data.max_length {cfg.data.max_length})")
+            if match and cfg.objective.name == "clip":
+                raise StudyError(f"claims.{i}.metric: arm {arm!r} is CLIP, which writes no captions")
+    return configs
+
+
+def _yaml_scalar(value) -> str:
+    """An override value as `key=value` text that YAML reads back as the same value."""
+    return "null" if value is None else yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...")
+
+
+def prepare_data(plan: Plan, out: Path) -> None:
+    """Generate the plan's shapes / Tux Paint datasets under OUT/data, once."""
+    from mdc import shards
+
+    for name, spec in plan.datasets.items():
+        root = out / "data" / name
+        if spec.kind == "shards" or (root / shards.MANIFEST).is_file():
+            continue
+        console.print(f"writing dataset {name} ({spec.kind}) to {root}")
+        if spec.kind == "shapes":
+            from mdc.datasets.shapes import write_shapes_dataset
+
+            write_shapes_dataset(str(root), num=spec.num, seed=0)
+        else:
+            from mdc.datasets.tuxpaint import write_tuxpaint_dataset
+
+            write_tuxpaint_dataset(str(root))
+
+
+def check_data(plan: Plan) -> None:
+    """Fail before anything runs if a Tux Paint dataset has no stamps to read."""
+    from mdc.datasets import tuxpaint
+
+    for name, spec in plan.datasets.items():
+        if spec.kind == "tuxpaint" and not Path(tuxpaint.DEFAULT_ROOT).is_dir():
+            raise StudyError(f"datasets.{name}.kind: tuxpaint needs Debian's tuxpaint-stamps-default "
+                             f"({tuxpaint.DEFAULT_ROOT} not found)")
+
+
+def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: str) -> dict:
+    """One run's metrics: from its result.json when it finished before, else trained and evaluated."""
+    from pipelines.compare import evaluate_checkpoint
+    from pipelines.evaluate import log_evaluation
+    from pipelines.train import run_training
+
+    path = out / "runs" / cfg.name / RESULT
+    if path.is_file():
+        console.print(f"{cfg.name}: finished before, not rerun")
+        return json.loads(path.read_text())
+    console.print(f"[bold]{cfg.name}[/bold]: training {cfg.train.steps} steps")
+    summary = run_training(cfg, parent_run_id=parent)
+    ev = plan.evaluations
+    has_pairs = plan.datasets[arm_dataset(plan, arm)].kind != "tuxpaint"  # Tux Paint has no caption pairs
+    metrics = evaluate_checkpoint(summary.checkpoint_uri, dataset_root(plan, arm, out), cfg.data.endpoint_url,
+                                  ev.caption_lengths, ev.limit, ev.samples, cfg.train.seed, ev.normalize, ev.probe,
+                                  ev.compositionality and has_pairs)
+    if ev.probe_baseline:
+        metrics["probe_random_init_accuracy"] = random_init_probe(cfg, dataset_root(plan, arm, out))
+        metrics["probe_gain"] = metrics["probe_accuracy"] - metrics["probe_random_init_accuracy"]
+    metrics.update(final_loss=summary.metrics["loss"], val_loss=summary.metrics.get("val_loss"),
+                   train_images_per_s=summary.metrics["images_per_s"])
+    numbers = {f"study/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
+    log_evaluation(cfg.mlflow_uri, numbers, [], run_id=summary.mlflow_run_id)
+    result = {"arm": arm, "seed": cfg.train.seed, "run_name": cfg.name, "checkpoint": summary.checkpoint_uri,
+              "mlflow_run_id": summary.mlflow_run_id, "metrics": metrics}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))  # last: its presence means the run is done
+    return result
+
+
+def random_init_probe(cfg: RunConfig, data_uri: str) -> float:
+    """Probe accuracy of the run's architecture at random init (its seed): what training must beat."""
+    from mdc.evaluation import probe
+
+    return probe.probe_shapes(probe.random_init(cfg, seed=cfg.train.seed), data_uri, cfg.data.endpoint_url)["accuracy"]
+
+
+# ------------------------------------------------------------------------------------ statistics
+
+def paired_interval(values_a: list[float], values_b: list[float], confidence: float = CONFIDENCE):
+    """(mean, low, high) of the paired differences a − b: mean ± t(1 − α/2, n − 1) · sd / √n."""
+    from scipy import stats
+
+    if len(values_a) != len(values_b) or len(values_a) < 2:
+        raise StudyError(f"paired interval needs two equally long lists of >= 2 values, got "
+                         f"{len(values_a)} and {len(values_b)}")
+    diffs = [a - b for a, b in zip(values_a, values_b)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    half = stats.t.ppf(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def verdict(low: float, high: float, expect: str, margin: float = 0.0) -> str:
+    """`holds` when the interval lies on the expected side, `reversed` when wholly on the other."""
+    if expect == "less":
+        low, high = -high, -low
+    threshold = -margin if expect == "at_least" else 0.0
+    if low > threshold:
+        return "holds"
+    if high < threshold:
+        return "reversed"
+    return "inconclusive"
+
+
+def claim_result(plan: Plan, claim: Claim, results: dict[tuple[str, int], dict]) -> dict:
+    def values(arm: str) -> list[float]:
+        out = []
+        for seed in plan.seeds:
+            value = results[arm, seed]["metrics"].get(claim.metric)
+            if value is None:
+                raise StudyError(f"claim {claim.name!r}: run {run_name(plan, arm, seed)} has no metric "
+                                 f"{claim.metric!r} (its metrics: {sorted(results[arm, seed]['metrics'])})")
+            out.append(float(value))
+        return out
+
+    values_a = values(claim.arm_a)
+    values_b = values(claim.arm_b) if claim.arm_b else [0.0] * len(values_a)
+    mean, low, high = paired_interval(values_a, values_b)
+    return {"name": claim.name, "metric": claim.metric, "arm_a": claim.arm_a, "arm_b": claim.arm_b,
+            "seeds": list(plan.seeds), "values_a": values_a, "values_b": values_b, "mean_diff": mean,
+            "ci_low": low, "ci_high": high, "verdict": verdict(low, high, claim.expect, claim.margin),
+            "expect": claim.expect, "margin": claim.margin}
+
+
+# ------------------------------------------------------------------------------------ the report
+
+EXPECT_TEXT = {"greater": "a > b", "less": "a < b", "at_least": "a ≥ b − {margin}"}
+
+
+def results_markdown(plan: Plan, claims: list[dict], wall_s: float) -> str:
+    lines = [f"# Study {plan.name}", "",
+             f"{len(plan.seeds)} seeds per arm ({', '.join(map(str, plan.seeds))}); differences a − b paired by seed; "
+             f"{int(CONFIDENCE * 100)}% Student-t interval over the paired differences. Wall time {wall_s:.0f} s.", "",
+             "| claim | metric | a | b | expected | values a | values b | mean a − b | 95% CI | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in claims:
+        expected = EXPECT_TEXT[c["expect"]].format(margin=c["margin"]).replace("b", "b" if c["arm_b"] else "0")
+        lines.append(f"| {c['name']} | {c['metric']} | {c['arm_a']} | {c['arm_b'] or '0'} | {expected} | "
+                     f"{', '.join(f'{v:.3f}' for v in c['values_a'])} | {', '.join(f'{v:.3f}' for v in c['values_b'])} | "
+                     f"{c['mean_diff']:+.4f} | [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}] | {c['verdict']} |")
+    return "\n".join(lines) + "\n"
+
+
+def claims_plot(claims: list[dict], path: Path) -> None:
+    """Each claim's interval against 0 (and −margin for `at_least`), coloured by verdict."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"holds": "tab:green", "reversed": "tab:red", "inconclusive": "tab:gray"}
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(claims) + 1.2))
+    for y, c in enumerate(reversed(claims)):
+        ax.plot([c["ci_low"], c["ci_high"]], [y, y], color=colours[c["verdict"]], linewidth=3)
+        ax.plot([c["mean_diff"]], [y], "o", color=colours[c["verdict"]])
+        if c["expect"] == "at_least":
+            ax.plot([-c["margin"]], [y], "|", color="black", markersize=12)
+    ax.axvline(0.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(claims)), [f"{c['name']} ({c['verdict']})" for c in reversed(claims)], fontsize=8)
+    ax.set_xlabel(f"mean paired difference a − b, {int(CONFIDENCE * 100)}% t interval")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_study(plan: Plan, plan_path: Path, out: Path) -> list[dict]:
+    """Every run that has no result yet, then the claims; returns one dict per claim."""
+    from pipelines import tracking
+    from pipelines.evaluate import log_evaluation
+
+    tic = time.perf_counter()
+    out = Path(out).resolve()
+    configs = run_configs(plan, plan_path, out)
+    check_data(plan)
+    first = next(iter(configs.values()))
+    mlflow_uri = tracking.absolute_tracking_uri(first.mlflow_uri)
+    out.mkdir(parents=True, exist_ok=True)
+    prepare_data(plan, out)
+    parent = tracking.get_or_create_run(mlflow_uri, first.experiment, f"study-{plan.name}", plan.model_dump())
+    try:
+        results = {key: train_and_evaluate(plan, key[0], cfg, out, parent) for key, cfg in configs.items()}
+        claims = [claim_result(plan, claim, results) for claim in plan.claims]
+        wall_s = time.perf_counter() - tic
+        (out / "study.json").write_text(json.dumps({"plan": plan.name, "confidence": CONFIDENCE,
+                                                    "interval": "Student t over seed-paired differences",
+                                                    "wall_s": wall_s, "claims": claims}, indent=2))
+        (out / "results.md").write_text(results_markdown(plan, claims, wall_s))
+        claims_plot(claims, out / "claims.png")
+        metrics = {f"claims/{i}/{k}": c[k] for i, c in enumerate(claims) for k in ("mean_diff", "ci_low", "ci_high")}
+        log_evaluation(mlflow_uri, metrics, [out / "study.json", out / "results.md", out / "claims.png"], run_id=parent)
+    except BaseException:
+        tracking.finish_run(mlflow_uri, parent, "FAILED")
+        raise
+    tracking.finish_run(mlflow_uri, parent)
+    return claims
+
+
+def print_claims(claims: list[dict]) -> None:
+    table = Table(title="claims (a − b, paired by seed, 95% Student-t interval)")
+    for column in ("claim", "metric", "a", "b", "n", "mean a − b", "95% CI", "verdict"):
+        table.add_column(column)
+    for c in claims:
+        table.add_row(c["name"], c["metric"], c["arm_a"], c["arm_b"] or "0", str(len(c["seeds"])), f"{c['mean_diff']:+.4f}",
+                      f"[{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]", c["verdict"])
+    console.print(table)
+
+
+def study(plan: Path = typer.Option(..., help="study plan YAML (studies/)"),
+          out: Optional[Path] = typer.Option(None, help="runs, MLflow and the report (default: runs/study-NAME)"),
+          address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local")):
+    """Run a study plan: every arm × seed trained through Ray Train (finished runs are not repeated),
+    evaluated, and each claim judged by a Student-t interval over seed-paired differences
+    (study.json, results.md, claims.png; MLflow)."""
+    try:
+        parsed = load_plan(plan)
+        directory = out or Path("runs") / f"study-{parsed.name}"
+        run_configs(parsed, plan, Path(directory).resolve())
+        check_data(parsed)
+    except StudyError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2)
+    from pipelines.runtime import connect_ray
+
+    connect_ray(address)
+    claims = run_study(parsed, plan, directory)
+    print_claims(claims)
+    console.print(f"report: {Path(directory) / 'results.md'}, {Path(directory) / 'study.json'}, "
+                  f"{Path(directory) / 'claims.png'}")

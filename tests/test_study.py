@@ -1,0 +1,122 @@
+"""`mdc study`: the interval arithmetic on hand-made values, plan validation before any run, and the
+smoke plan end to end through Ray (and a relaunch that reruns nothing)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
+
+from pipelines import tracking
+from pipelines.cli import app
+from pipelines.study import CLAIM_FIELDS, StudyError, load_plan, paired_interval, run_configs, run_study, verdict
+
+SMOKE = Path(__file__).resolve().parent.parent / "studies" / "smoke.yaml"
+# Student t quantiles t(0.975, df) from tables: df = 1, 2, 4.
+T975 = {1: 12.706204736174707, 2: 4.302652729749462, 4: 2.7764451051977987}
+
+
+@pytest.mark.parametrize("a, b, mean, sd", [
+    ([1.0, 2.0, 3.0], [0.0, 0.0, 0.0], 2.0, 1.0),
+    ([0.5, 0.7], [0.4, 0.4], 0.2, math.sqrt(0.02)),
+    ([3.0, 1.0, 2.0, 2.5, 1.5], [1.0, 1.0, 1.0, 1.0, 1.0], 1.0, math.sqrt(0.625)),
+])
+def test_paired_interval_is_mean_plus_minus_t_times_standard_error(a, b, mean, sd):
+    n = len(a)
+    got_mean, low, high = paired_interval(a, b)
+    half = T975[n - 1] * sd / math.sqrt(n)
+    assert got_mean == pytest.approx(mean)
+    assert (low, high) == (pytest.approx(mean - half), pytest.approx(mean + half))
+
+
+def test_verdicts_for_a_claim_that_holds_one_reversed_and_one_inconclusive():
+    holds = paired_interval([0.80, 0.82, 0.79], [0.70, 0.71, 0.70])  # d = .10, .11, .09: [0.075, 0.125]
+    reversed_ = paired_interval([0.60, 0.61, 0.60], [0.70, 0.71, 0.69])  # d = -.10, -.10, -.09
+    inconclusive = paired_interval([0.70, 0.75, 0.65], [0.70, 0.70, 0.70])  # d = 0, .05, -.05
+    assert holds[1] == pytest.approx(0.10 - T975[2] * 0.01 / math.sqrt(3))
+    assert verdict(*holds[1:], "greater") == "holds" and verdict(*holds[1:], "less") == "reversed"
+    assert verdict(*reversed_[1:], "greater") == "reversed" and verdict(*reversed_[1:], "less") == "holds"
+    assert verdict(*inconclusive[1:], "greater") == "inconclusive" == verdict(*inconclusive[1:], "less")
+    # a ≥ b − margin: a small deficit whose interval stays above −margin holds
+    assert verdict(-0.02, 0.01, "at_least", margin=0.05) == "holds"
+    assert verdict(-0.09, -0.06, "at_least", margin=0.05) == "reversed"
+    assert verdict(-0.07, 0.01, "at_least", margin=0.05) == "inconclusive"
+
+
+def write_plan(tmp_path, **changes) -> Path:
+    plan = yaml.safe_load(SMOKE.read_text())
+    for key, value in changes.items():
+        plan[key] = value
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    return path
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"seeds": [0]}, r"seeds: List should have at least 2 items"),
+    ({"seeds": [1, 1]}, r"seeds must be distinct"),
+    ({"claims": [{"name": "x", "metric": "probe_accuracy", "arm_a": "mdc", "arm_b": "gpt"}]},
+     r"claims.0.arm_b: 'gpt' is not one of the arms"),
+    ({"claims": [{"name": "x", "metric": "accuracy", "arm_a": "mdc", "arm_b": "cmlm"}]},
+     r"claims.0.metric: unknown metric 'accuracy'"),
+    ({"claims": [{"name": "x", "metric": "captions/N20/cider", "arm_a": "mdc", "arm_b": "cmlm"}]},
+     r"claims.0.metric: 'captions/N20/cider' needs 20 in evaluations.caption_lengths"),
+    ({"arms": {"mdc": {"data": "coco"}, "cmlm": {}}}, r"arms.mdc.data: 'coco' is not one of the datasets"),
+    ({"budget": {"train.stepz": 3}}, r"unknown field"),
+    ({"evaluations": {"probe": False}}, r"claims.0.metric: 'probe_accuracy' needs evaluations.probe: true"),
+])
+def test_plan_errors_name_the_field(tmp_path, changes, message):
+    path = write_plan(tmp_path, **changes)
+    with pytest.raises(StudyError, match=message):
+        run_configs(load_plan(path), path, tmp_path / "out")
+
+
+def test_an_arm_config_error_names_the_arm_and_the_field(tmp_path):
+    path = write_plan(tmp_path, arms={"mdc": {"objective.name": "mdc"},
+                                      "cmlm": {"objective.name": "ar", "model.time_conditioning": True}})
+    plan = load_plan(path)
+    with pytest.raises(StudyError, match=r"(?s)arms.cmlm \(seed 0\): .*model.time_conditioning=true needs a noise"):
+        run_configs(plan, path, tmp_path / "out")
+
+
+def test_a_bad_plan_stops_the_command_before_any_run(tmp_path):
+    path = write_plan(tmp_path, claims=[{"name": "x", "metric": "probe_accuracy", "arm_a": "mdc", "arm_b": "bert"}])
+    result = CliRunner().invoke(app, ["study", "--plan", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "claims.0.arm_b: 'bert' is not one of the arms" in " ".join(result.output.split())
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_smoke_study_runs_through_ray_writes_the_report_and_reruns_nothing(ray_cluster, tmp_path, monkeypatch):
+    plan = load_plan(SMOKE)
+    claims = run_study(plan, SMOKE, tmp_path)
+    report = json.loads((tmp_path / "study.json").read_text())
+    assert [c["name"] for c in report["claims"]] == [c.name for c in plan.claims]
+    for claim in report["claims"]:
+        assert set(CLAIM_FIELDS) <= set(claim) and claim["seeds"] == [0, 1] and len(claim["values_a"]) == 2
+        assert claim["ci_low"] <= claim["mean_diff"] <= claim["ci_high"]
+        assert claim["verdict"] in ("holds", "reversed", "inconclusive")
+    assert "| MDC beats CMLM on the linear probe | probe_accuracy | mdc | cmlm |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "claims.png").read_bytes()[:4] == b"\x89PNG"
+
+    client = MlflowClient(tracking.absolute_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"))
+    [parent] = client.search_runs([client.get_experiment_by_name("mdc").experiment_id],
+                                  filter_string="tags.`mdc.run_name` = 'study-smoke'")
+    assert parent.info.status == "FINISHED" and "claims/0/mean_diff" in parent.data.metrics
+    assert {a.path for a in client.list_artifacts(parent.info.run_id, "eval")} == \
+        {"eval/study.json", "eval/results.md", "eval/claims.png"}
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert sorted(r.data.tags["mdc.run_name"] for r in children) == \
+        ["smoke-cmlm-s0", "smoke-cmlm-s1", "smoke-mdc-s0", "smoke-mdc-s1"]
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr("pipelines.train.run_training", no_training)
+    assert run_study(plan, SMOKE, tmp_path) == claims
