@@ -346,7 +346,8 @@ EXPECT_TEXT = {"greater": "a > b", "less": "a < b", "at_least": "a ≥ b − {ma
 def results_markdown(plan: Plan, claims: list[dict], wall_s: float) -> str:
     lines = [f"# Study {plan.name}", "",
              f"{len(plan.seeds)} seeds per arm ({', '.join(map(str, plan.seeds))}); differences a − b paired by seed; "
-             f"{int(CONFIDENCE * 100)}% Student-t interval over the paired differences. This launch took {wall_s:.0f} s (runs finished before are not rerun).", "",
+             f"{int(CONFIDENCE * 100)}% Student-t interval over the paired differences. This launch took "
+             f"{wall_s:.0f} s (runs finished before are not rerun).", "",
              "| claim | metric | a | b | expected | values a | values b | mean a − b | 95% CI | verdict |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in claims:
