@@ -41,8 +41,6 @@ from pipelines.console import console
 from pipelines.ingest import BatchFeed, DataStallError, SkipCounter, build_dataset, describe_stall, ingest_resources
 from pipelines.runtime import absolute_paths, check_inputs
 
-DATA_WAIT_WARNING = 0.1  # share of step time spent waiting for batches above which the console warns
-
 
 @dataclass
 class Fault:
@@ -201,9 +199,6 @@ def train_loop(loop_config: dict) -> None:
                 if logger is not None:
                     logger.log({k: metrics[k] for k in ("images_per_s", "tokens_per_s", "data_wait_fraction")}, step)
                     logger.flush()
-                if reporter is not None and metrics["data_wait_fraction"] > DATA_WAIT_WARNING:
-                    reporter.note(f"{metrics['data_wait_fraction']:.0%} of the last steps' time was spent waiting "
-                                  "for data: ingest is the bottleneck (README: cores per GPU)", warning=True)
             if reporter is not None:
                 reporter.step(step, metrics, logged=step % tc.log_every == 0 or step == tc.steps)
             if step % tc.checkpoint_every == 0 or step == tc.steps:
