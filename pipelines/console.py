@@ -61,7 +61,7 @@ def first_line_of(error: object) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         return type(error).__name__
-    return lines[-1] if "Traceback (most recent call last)" in text else lines[0]
+    return lines[-1] if any(line.startswith('File "') for line in lines) else lines[0]
 
 
 class RunFailed(Exception):
