@@ -66,6 +66,8 @@ def data_img2dataset(out: str = typer.Option(..., help="output folder (local)"),
 def train(ctx: typer.Context,
           config: Path = typer.Option(DEFAULT_CONFIG, help="YAML run config"),
           data: Optional[str] = typer.Option(None, help="training shards URI (data.train_uri)"),
+          val: Optional[str] = typer.Option(None, help="validation shards URI (data.val_uri); with --data "
+                                                       "and no --val, no validation split"),
           storage: Optional[str] = typer.Option(None, help="checkpoint storage URI (storage_uri)"),
           mlflow_uri: Optional[str] = None, name: Optional[str] = None,
           num_workers: Optional[int] = None, use_gpu: Optional[bool] = None,
@@ -74,7 +76,9 @@ def train(ctx: typer.Context,
     """Pretrain on the current Ray cluster. Extra arguments are `section.key=value` overrides."""
     Settings.verbose = verbose
     overrides = list(ctx.args)
-    for key, value in {"data.train_uri": data, "storage_uri": storage, "mlflow_uri": mlflow_uri,
+    if data is not None and val is None and not any(o.startswith("data.val_uri=") for o in overrides):
+        val = "null"  # the config's validation split belongs to its own training data (the demo's)
+    for key, value in {"data.train_uri": data, "data.val_uri": val, "storage_uri": storage, "mlflow_uri": mlflow_uri,
                        "name": name, "train.num_workers": num_workers, "train.use_gpu": use_gpu}.items():
         if value is not None:
             overrides.append(f"{key}={value}")

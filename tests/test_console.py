@@ -34,6 +34,29 @@ def test_missing_data_folder_is_one_line_and_exit_2_before_ray(tmp_path):
     assert "Traceback" not in result.output and "Ray's own output" not in result.output
 
 
+@pytest.mark.parametrize("extra, expected_val", [([], None), (["--val", "VAL"], "VAL"),
+                                                  (["data.val_uri=VAL"], "VAL")])
+def test_data_without_val_trains_without_the_configs_validation_split(tmp_path, monkeypatch, extra, expected_val):
+    """`--data X` alone must not validate on the demo config's runs/shapes/val (absent here)."""
+    import pipelines.train
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "VAL").mkdir()
+    monkeypatch.chdir(tmp_path)
+    seen = {}
+
+    def stop_after_config(cfg):
+        seen["cfg"] = cfg
+        raise SystemExit(0)
+
+    monkeypatch.setattr(runtime, "ray_session", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(pipelines.train, "run_training", stop_after_config)
+    result = CliRunner().invoke(app, ["train", "--data", "train", "--storage", "ckpt", *extra])
+    assert "cfg" in seen, result.output
+    expected = None if expected_val is None else str(tmp_path / expected_val)
+    assert seen["cfg"].data.val_uri == expected and seen["cfg"].data.train_uri == str(tmp_path / "train")
+
+
 def test_bad_config_value_names_the_field(tmp_path):
     result = CliRunner().invoke(app, ["train", "optim.lr=fast"])
     assert result.exit_code == 2 and "optim.lr" in result.output and "Traceback" not in result.output
