@@ -67,3 +67,14 @@ def shapes_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("shapes")
     write_shapes_dataset(str(root), num=240, seed=0, samples_per_shard=60)
     return root
+
+
+@pytest.fixture(scope="module")
+def gloo_process_group(tmp_path_factory):
+    """A one-process gloo group for a test module (DCP, FSDP2 and their collectives need one)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mdc import checkpoint as ckpt
@@ -14,13 +13,7 @@ from mdc import storage
 from mdc.training import EMA
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group(tmp_path_factory):
-    """A one-process gloo group: DCP and the commit barrier are collectives."""
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("gloo_process_group")  # DCP and the commit barrier are collectives
 
 
 def make_state(seed: int):

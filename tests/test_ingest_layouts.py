@@ -18,6 +18,7 @@ from mdc.datasets.img2dataset import (FAILED_TO_DOWNLOAD, FAILED_TO_RESIZE, META
                                       generated_rows, sample_key, write_img2dataset_folder)
 from mdc.images import preprocess_batch
 from pipelines.ingest import BatchFeed, DataStallError, ingest_resources
+from test_shards import tar_of
 
 ROWS = generated_rows(60, image_size=32)  # 44 successes, 8 failed downloads, 8 failed resizes
 SUCCESSES = sum(r.jpg is not None for r in ROWS)
@@ -111,13 +112,7 @@ def test_tar_is_read_member_by_member():
     """The reader never holds a whole shard: it reads a little past the members it has yielded."""
     members = [(f"k{i}.{ext}", os.urandom(4096) if ext == "jpg" else b"caption") for i in range(50)
                for ext in ("jpg", "txt")]
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    buf.seek(0)
+    buf = io.BytesIO(tar_of(members))
     reader = shards.iter_tar(buf, "mem.tar", Counter())
     next(reader)
     next(reader)

@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from mdc.checkpoint import full_weights
 from mdc.config import ConfigError, ObjectiveConfig, OptimConfig, load_config
@@ -18,13 +17,7 @@ from mdc.training import EMA, build_optimizer, build_scheduler, train_step
 MAX_LENGTH = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group(tmp_path_factory):
-    """A one-process gloo group: FSDP2 and its gradient-sync switch need one."""
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("gloo_process_group")  # FSDP2 and its gradient-sync switch need one
 
 
 VOCAB = 64  # ids 60-63 are BOS, EOS, [MASK], pad: a small vocabulary keeps the test fast
