@@ -57,6 +57,8 @@ def user_errors(*also: type[BaseException]):
 def first_line_of(error: object) -> str:
     """The line of an error worth showing: its first, or for an error that carries a traceback (a
     remote one, as Ray reports it) the original exception's line after that traceback."""
+    while getattr(error, "cause", None) is not None:  # Ray's task errors wrap the original exception
+        error = error.cause
     text = str(error)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:

@@ -112,6 +112,18 @@ def test_every_run_failed_exits_1_with_the_first_error(capsys):
     assert "2 of 3 trials failed" in out and "/s/b/error.txt" in out
 
 
+def test_a_ray_task_errors_line_is_the_original_exceptions():
+    from ray.exceptions import RayTaskError
+
+    from mdc.storage import StorageError
+    from pipelines.console import first_line_of
+
+    cause = StorageError("data.val_uri: does not exist: /gone")
+    wrapped = RayTaskError("train", '  File "trainable.py", line 1, in train\n    raise', cause).as_instanceof_cause()
+    assert first_line_of(wrapped) == "data.val_uri: does not exist: /gone"
+    assert first_line_of(ValueError("one\ntwo")) == "one"
+
+
 def test_display_prints_logged_steps_notes_and_one_data_wait_warning():
     buf = io.StringIO()
     display = ProgressDisplay(None, Console(file=buf, width=200))

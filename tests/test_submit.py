@@ -130,7 +130,7 @@ def test_submit_follows_training_and_is_idempotent(ray_head, tmp_path):
 
     first = mdc_submit(url, "--", *train)
     assert first.exit_code == 0, first.output[-4000:]
-    assert "[mdc] step 6/6" in first.stdout  # the job's log was followed
+    assert "submitted step 6/6" in first.stdout  # the job's log was followed (the progress line)
     assert "mdc-submitted SUCCEEDED" in first.stderr
     assert jobs(url) == {"mdc-submitted": "SUCCEEDED"}
 
