@@ -120,6 +120,7 @@ def peak_pss_while(fn, *args, every_s: float = 0.25) -> tuple[float, object]:
 def speed(args) -> dict:
     with tempfile.TemporaryDirectory() as root:
         uri = write_folder(root, args.num, int(args.shards))
+        plain_loop(uri)  # warm alike: imports, tokenizer, page cache
         n_plain, t_plain = timed(plain_loop, uri)
         ray.init(object_store_memory=512 * 1024**2)
         ray_pipeline(uri)  # warm: workers, tokenizer

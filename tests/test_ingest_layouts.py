@@ -124,10 +124,11 @@ def test_tar_is_read_member_by_member():
 
 def test_ingest_budget_is_what_training_leaves():
     small = ingest_resources(cluster_cpus=2, training_cpus=2 * 0.5)
-    assert (small.budget, small.cpus_per_reader, small.max_readers) == (1, 0.25, 4)
+    assert (small.budget, small.cpus_per_reader, small.max_readers) == (1, 1.0, 1)
     big = ingest_resources(cluster_cpus=64, training_cpus=8 * 1)
     assert (big.budget, big.cpus_per_reader, big.max_readers) == (56, 1.0, 56)
-    assert ingest_resources(2, 1, override=3).max_readers == 4
+    assert ingest_resources(2, 1, override=3).max_readers == 3
+    assert ingest_resources(2, 1.5).cpus_per_reader == 0.5  # below one CPU: one reader with all of it
     with pytest.raises(ValueError, match="cluster has 2 CPUs and the training workers hold 2"):
         ingest_resources(2, 2)
 
