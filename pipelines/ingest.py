@@ -61,6 +61,7 @@ def ingest_resources(cluster_cpus: float, training_cpus: float, override: float 
     return IngestResources(budget, budget / readers, readers)
 
 
+@ray.remote(num_cpus=0)
 class SkipCounter:
     """Distinct skipped records by reason, over every read and decode task. Each record has an
     identity (shard and key, or shard and position), so a shard read again in a later epoch is
