@@ -10,8 +10,8 @@ The CPUs ingest may use are what the cluster has minus what the training workers
 (`ingest_resources`), cut into one reader per whole CPU: measured on 2 cores, four 0.25-CPU readers
 in a 1-CPU budget ingested 119–191 img/s where one 1-CPU reader did 436–505 (readers beyond the
 cores only contend). Each decoded batch leaves its task as its own block, so what a task holds
-does not grow with its shard. Bad records are dropped where they are found and counted by reason in one `SkipCounter`
-actor. A training worker that gets no batch for `data.stall_timeout_s` fails with a
+does not grow with its shard. Bad records are dropped where they are found and counted by reason
+in one `SkipCounter` actor. A training worker that gets no batch for `data.stall_timeout_s` fails with a
 `DataStallError` that says which operator has produced nothing and what it waits for.
 """
 
