@@ -13,6 +13,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from mdc import checkpoint as ckpt
 from mdc import shards, storage
 from mdc.config import load_config
 from mdc.datasets.shapes import write_shapes_dataset
@@ -71,13 +72,15 @@ def shards_png(i: int) -> bytes:
 
 
 def test_fsdp_training_from_bucket_counts_bad_records(ray_cluster, s3_server, tmp_path, capfd):
+    """Two workers from a bucket, checkpoints uploaded to it in the background
+    (train.async_checkpoint); the fault tests below save synchronously."""
     bucket = s3_server.make_bucket("train-from-s3")
     write_shapes_dataset(f"{bucket}/shapes", num=300, seed=0, endpoint_url=s3_server.endpoint_url,
                          samples_per_shard=50)
     corrupt_shards(s3_server, bucket)
     cfg = tiny_config(tmp_path, "s3-run", f"{bucket}/shapes/train", f"{bucket}/shapes/val",
                       s3_server.endpoint_url, storage_uri=f"{bucket}/checkpoints",
-                      steps=40, checkpoint_every=20, log_every=10, val_every=20)
+                      steps=40, checkpoint_every=20, log_every=10, val_every=20, async_checkpoint=True)
     with ray_output_to(tmp_path / "ray.log"):
         summary = run_training(cfg)
         console = "".join(capfd.readouterr())
@@ -99,6 +102,8 @@ def test_fsdp_training_from_bucket_counts_bad_records(ray_cluster, s3_server, tm
     assert logged["skipped/truncated_tar"] == 1
     keys = storage.list_files(f"{bucket}/checkpoints/s3-run", (".distcp", ".safetensors"), s3_server.endpoint_url)
     assert any("checkpoint_00000020" in k for k in keys)
+    for step in (20, 40):  # both background uploads finished and were committed, checksums and all
+        assert ckpt.problem(f"{bucket}/checkpoints/s3-run/checkpoint_{step:08d}", s3_server.endpoint_url) is None
     assert any(k.endswith("checkpoint_00000040/model.safetensors") for k in keys)
 
 
