@@ -58,11 +58,15 @@ def apply_fsdp(model, bf16: bool) -> None:
     (GPU); the sharded parameters, so the optimiser state and the EMA, stay float32. On CPU/gloo
     everything is float32. A model whose training entry point is not `forward` names it in
     `fsdp_forward_methods`, so FSDP unshards the root around that call too.
+
+    Blocks stay gathered from forward to backward (`reshard_after_forward=False`): one all-gather
+    per step instead of two. The gathered copy is the model's size (0.6 GB for ViT-L/14 in bf16),
+    small beside activations; on 2 CPU workers it raised Ray/plain img/s from 0.78–0.83 to 0.85–0.87.
     """
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     for block in transformer_blocks(model):
-        fully_shard(block, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=False)
     fully_shard(model, mp_policy=policy)
     for name in getattr(model, "fsdp_forward_methods", ()):
         register_fsdp_forward_method(model, name)
