@@ -67,7 +67,15 @@ class DatasetPlan(_Strict):
 
     kind: Literal["shapes", "tuxpaint", "shards"] = "shapes"
     num: int = Field(2000, ge=10, description="shapes: images to generate")
+    max_objects: Literal[1, 2] = Field(2, description="shapes: 1 gives one shape per image and captions of "
+                                       "4 tokens (no compositionality pairs)")
     uri: Optional[str] = Field(None, description="shards: the dataset root")
+
+    @property
+    def has_pairs(self) -> bool:
+        """Whether it has compositionality pairs: Tux Paint has no captions to swap, one-object
+        shapes have no second object to swap with."""
+        return self.kind != "tuxpaint" and self.max_objects == 2
 
     @model_validator(mode="after")
     def _uri(self) -> DatasetPlan:
@@ -207,8 +215,9 @@ def run_configs(plan: Plan, plan_path: Path, out: Path) -> dict[tuple[str, int],
         for arm in filter(None, (claim.arm_a, claim.arm_b)):
             cfg = configs[arm, plan.seeds[0]]
             if claim.metric.startswith(("compositionality", "blind/")) and \
-                    plan.datasets[arm_dataset(plan, arm)].kind == "tuxpaint":
-                raise StudyError(f"claims.{i}.metric: arm {arm!r} trains on Tux Paint, which has no caption pairs")
+                    not plan.datasets[arm_dataset(plan, arm)].has_pairs:
+                raise StudyError(f"claims.{i}.metric: arm {arm!r} trains on data with no compositionality pairs "
+                                 f"(Tux Paint, or one-object shapes)")
             if match and int(match.group(1)) > cfg.data.max_length:
                 raise StudyError(f"claims.{i}.metric: arm {arm!r} cannot write {match.group(1)}-token captions "
                                  f"(data.max_length {cfg.data.max_length})")
@@ -234,7 +243,7 @@ def prepare_data(plan: Plan, out: Path) -> None:
         if spec.kind == "shapes":
             from mdc.datasets.shapes import write_shapes_dataset
 
-            write_shapes_dataset(str(root), num=spec.num, seed=0)
+            write_shapes_dataset(str(root), num=spec.num, seed=0, max_objects=spec.max_objects)
         else:
             from mdc.datasets.tuxpaint import write_tuxpaint_dataset
 
@@ -264,10 +273,9 @@ def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: 
     console.print(f"[bold]{cfg.name}[/bold]: training {cfg.train.steps} steps")
     summary = run_training(cfg, parent_run_id=parent)
     ev = plan.evaluations
-    has_pairs = plan.datasets[arm_dataset(plan, arm)].kind != "tuxpaint"  # Tux Paint has no caption pairs
     metrics = evaluate_checkpoint(summary.checkpoint_uri, dataset_root(plan, arm, out), cfg.data.endpoint_url,
                                   ev.caption_lengths, ev.limit, ev.samples, cfg.train.seed, ev.normalize, ev.probe,
-                                  ev.compositionality and has_pairs)
+                                  ev.compositionality and plan.datasets[arm_dataset(plan, arm)].has_pairs)
     if ev.probe_baseline:
         metrics["probe_random_init_accuracy"] = random_init_probe(cfg, dataset_root(plan, arm, out))
         metrics["probe_gain"] = metrics["probe_accuracy"] - metrics["probe_random_init_accuracy"]

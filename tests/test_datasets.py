@@ -45,6 +45,18 @@ def test_shapes_captions_labels_and_negatives():
             f"a {size1} {colour2} {shape1} {relation} a {size2} {colour1} {shape2}")
 
 
+def test_one_object_shapes_have_four_token_captions_and_no_pairs(tmp_path):
+    """The short-caption variant: the same draws, one shape each, so its images are the default
+    dataset's one-object images and its other images lose their second object."""
+    one, two = shapes.generate_shapes(60, seed=0), [shapes.make_shape(i, 0, max_objects=1) for i in range(60)]
+    assert all(len(r.objects) == 1 and r.negatives == {} and len(r.caption.split()) == 4 for r in two)
+    assert all(b.image == a.image for a, b in zip(one, two) if len(a.objects) == 1)
+    assert [a.objects[0].shape for a in one if len(a.objects) == 1] == \
+        [b.objects[0].shape for a, b in zip(one, two) if len(a.objects) == 1]
+    manifest = shapes.write_shapes_dataset(str(tmp_path), num=40, seed=0, max_objects=1)
+    assert manifest["max_objects"] == 1 and manifest["compositionality"]["num_pairs"] == 0
+
+
 def colour_centre(img: np.ndarray, colour: str) -> np.ndarray:
     ys, xs = np.nonzero((np.abs(img.astype(int) - shapes.COLOURS[colour]).sum(axis=2)) < 30)
     assert len(xs) > 20, f"no {colour} object drawn"

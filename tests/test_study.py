@@ -67,6 +67,9 @@ def write_plan(tmp_path, **changes) -> Path:
     ({"arms": {"mdc": {"data": "coco"}, "cmlm": {}}}, r"arms.mdc.data: 'coco' is not one of the datasets"),
     ({"budget": {"train.stepz": 3}}, r"unknown field"),
     ({"evaluations": {"probe": False}}, r"claims.0.metric: 'probe_accuracy' needs evaluations.probe: true"),
+    ({"datasets": {"shapes": {"kind": "shapes", "num": 40, "max_objects": 1}},
+      "claims": [{"name": "x", "metric": "compositionality_accuracy", "arm_a": "mdc", "arm_b": "cmlm"}]},
+     r"claims.0.metric: arm 'mdc' trains on data with no compositionality pairs"),
 ])
 def test_plan_errors_name_the_field(tmp_path, changes, message):
     path = write_plan(tmp_path, **changes)

@@ -89,10 +89,12 @@ def shape_key(index: int) -> str:
     return f"{index:08d}"
 
 
-def make_shape(index: int, seed: int, image_size: int = 64) -> ShapeRecord:
-    """The index-th record of the dataset with this seed (a pure function: any subset can be rebuilt)."""
+def make_shape(index: int, seed: int, image_size: int = 64, max_objects: Literal[1, 2] = 2) -> ShapeRecord:
+    """The index-th record of the dataset with this seed (a pure function: any subset can be rebuilt).
+    With max_objects=1 every image holds one shape and its caption is 4 tokens ("a small red
+    circle"): the short-caption variant, where the masking schedule's lower bound matters most."""
     rng = random.Random(f"shapes/{seed}/{index}")
-    n_objects = 1 if rng.random() < 1 / 3 else 2
+    n_objects = 1 if rng.random() < 1 / 3 or max_objects == 1 else 2  # the draw happens either way
     colours = rng.sample(sorted(COLOURS), n_objects)  # distinct colours, so colour swaps are real negatives
     objects = [ShapeObject(rng.choice(CLASS_NAMES), c, rng.choice(sorted(SIZES))) for c in colours]
     relation = rng.choice(RELATIONS) if n_objects == 2 else None
@@ -155,20 +157,23 @@ def _write_compositionality(out_uri: str, pairs: list[ShapeRecord], image_size: 
 
 def write_shapes_dataset(out_uri: str, num: int, seed: int, val_fraction: float = 0.1,
                          format: Literal["webdataset", "parquet"] = "webdataset", samples_per_shard: int = 1000,
-                         image_size: int = 64, endpoint_url: str | None = None) -> dict:
-    """Write train/ and val/ shards, compositionality files built from the val pairs, and manifest.json.
+                         image_size: int = 64, endpoint_url: str | None = None,
+                         max_objects: Literal[1, 2] = 2) -> dict:
+    """Write train/ and val/ shards, compositionality files built from the val pairs (none with
+    max_objects=1: a swap needs two objects), and manifest.json.
 
     The split is by a hash of the key, so it does not depend on num; returns the manifest."""
     is_val = [shards.key_fraction(shape_key(i), f"shapes/{seed}") < val_fraction for i in range(num)]
-    train = (make_shape(i, seed, image_size) for i in range(num) if not is_val[i])
-    val = [make_shape(i, seed, image_size) for i in range(num) if is_val[i]]  # small; reused below
+    train = (make_shape(i, seed, image_size, max_objects) for i in range(num) if not is_val[i])
+    val = [make_shape(i, seed, image_size, max_objects) for i in range(num) if is_val[i]]  # small; reused below
     splits = {
         name: shards.write_split(map(_to_sample, records), out_uri, name, format, samples_per_shard, endpoint_url)
         for name, records in (("train", train), ("val", val))
     }
     pairs = [r for r in val if r.negatives]
     manifest = {
-        "dataset": "shapes", "seed": seed, "image_size": image_size, "format": format, "num_samples": num,
+        "dataset": "shapes", "seed": seed, "image_size": image_size, "max_objects": max_objects,
+        "format": format, "num_samples": num,
         "val_fraction": val_fraction, "class_names": CLASS_NAMES, "splits": splits,
         "compositionality": _write_compositionality(out_uri, pairs, image_size, endpoint_url),
     }
