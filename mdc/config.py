@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 ObjectiveName = Literal["mdc", "cmlm", "bert", "ar", "cappa", "clip", "cdlm"]
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"  # every command's default
 MASKED_OBJECTIVES = ("mdc", "cmlm", "bert")  # the ones DDCap's length head and image-free training apply to
 PresetName = Literal["tiny", "vit_b32", "vit_b16", "vit_l14"]
 

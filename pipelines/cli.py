@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from mdc.config import load_config
+from mdc.config import DEFAULT_CONFIG, load_config
 from pipelines.console import VERBOSE_OPTION, Settings, console, report_failures, user_errors
 from pipelines.evaluate import eval_app
 from pipelines.scaling import scaling
@@ -20,7 +20,6 @@ data_app = typer.Typer(no_args_is_help=True, help="Write datasets as shards (loc
 app.add_typer(data_app, name="data")
 app.add_typer(eval_app, name="eval")
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 
 @data_app.command("shapes")

@@ -29,11 +29,10 @@ import pyarrow.fs as pafs
 import typer
 
 from mdc import shards, storage
-from mdc.config import RunConfig, build_config, load_config
+from mdc.config import DEFAULT_CONFIG, RunConfig, build_config, load_config
 from pipelines.console import (VERBOSE_OPTION, Settings, UserError, console, first_line_of, report_failures,
                                user_errors)
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9}
 RESULTS, ERROR = "results.json", "error.txt"
 CURVE, TABLE_CSV, TABLE_MD = "scaling_curve.png", "scaling.csv", "scaling.md"

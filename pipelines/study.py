@@ -31,12 +31,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rich.console import Console
 from rich.table import Table
 
-from mdc.config import ConfigError, RunConfig, load_config
+from mdc.config import ConfigError, DEFAULT_CONFIG, RunConfig, load_config
 from mdc.storage import join
 
 console = Console(soft_wrap=True)
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 RESULT = "result.json"
 CONFIDENCE = 0.95
 VERDICTS = ("holds", "reversed", "inconclusive")
