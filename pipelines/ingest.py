@@ -106,45 +106,94 @@ def _decode(samples: list[shards.Sample], image_size: int, max_length: int, coun
     return {"image": images[np.asarray(ok, dtype=bool)], "tokens": tokens}
 
 
+def _tagged(batches: Iterator[dict], index: int) -> Iterator[dict]:
+    """A shard's batches with its index and each row's place in it; one batch is held back, so the
+    rows of the last one also carry the shard's row count (0 on the others): `pipelines.position`."""
+    rows, held = 0, None
+    for batch in batches:
+        n = len(batch["tokens"])
+        if n == 0:
+            continue
+        if held is not None:
+            yield held
+        held = {**batch, "shard": np.full(n, index), "row": np.arange(rows, rows + n), "shard_rows": np.zeros(n, np.int64)}
+        rows += n
+    if held is not None:
+        held["shard_rows"][:] = rows
+        yield held
+
+
+@ray.remote(num_cpus=0)
+class ShardSkips:
+    """The shards the epoch being trained passes over: those a resumed epoch had consumed before
+    its checkpoint (empty in a fresh pass). Rank 0 sets them before any rank iterates; each read
+    task asks once, so a skipped shard is never read (nor its bad records counted again)."""
+
+    def __init__(self):
+        self.skipped = frozenset()
+
+    def set(self, shard_indices) -> None:
+        self.skipped = frozenset(shard_indices)
+
+    def get(self) -> frozenset[int]:
+        return self.skipped
+
+
+SKIPS_TIMEOUT_S = 60.0
+
+
 def read_shards(batch: dict, image_size: int, max_length: int, counter, endpoint_url: str | None,
-                subset: Subset) -> Iterator[dict]:
+                subset: Subset, skips=None) -> Iterator[dict]:
     """One task: shard paths in → their samples out as decoded, tokenized batches of DECODE_BATCH,
-    yielded as they fill, so memory holds a batch and one open shard whatever the shard's size."""
-    for shard in batch["shard"]:
-        skips, pending = Counter(), []
-        for sample in subset(shards.iter_shard(str(shard), skips, endpoint_url)):
-            pending.append(sample)
-            if len(pending) == DECODE_BATCH:
-                yield _decode(pending, image_size, max_length, counter)
-                pending = []
-        if pending:
+    yielded as they fill, so memory holds a batch and one open shard whatever the shard's size.
+    Shards `skips` (a ShardSkips) names are passed over unread."""
+    skipped = ray.get(skips.get.remote(), timeout=SKIPS_TIMEOUT_S) if skips is not None else frozenset()
+    for shard, index in zip(batch["shard"], batch["index"]):
+        if int(index) in skipped:
+            continue
+        yield from _tagged(_read_shard(str(shard), image_size, max_length, counter, endpoint_url, subset), int(index))
+
+
+def _read_shard(shard: str, image_size: int, max_length: int, counter, endpoint_url: str | None,
+                subset: Subset) -> Iterator[dict]:
+    skips, pending = Counter(), []
+    for sample in subset(shards.iter_shard(shard, skips, endpoint_url)):
+        pending.append(sample)
+        if len(pending) == DECODE_BATCH:
             yield _decode(pending, image_size, max_length, counter)
-        if counter is not None and any(skips.values()):
-            counter.add.remote({reason: [f"{shard}#{i}" for i in range(n)] for reason, n in skips.items()})
+            pending = []
+    if pending:
+        yield _decode(pending, image_size, max_length, counter)
+    if counter is not None and any(skips.values()):
+        counter.add.remote({reason: [f"{shard}#{i}" for i in range(n)] for reason, n in skips.items()})
 
 
 def build_dataset(uri: str, image_size: int, max_length: int, counter=None, endpoint_url: str | None = None,
                   resources: IngestResources | None = None, shuffle_seed: int | None = 0,
                   subset_fraction: float | None = None, subset_salt: str = "subset",
-                  format: shards.ShardFormat = "auto") -> ray.data.Dataset:
+                  format: shards.ShardFormat = "auto", skips=None, files: list[str] | None = None) -> ray.data.Dataset:
     """A streaming dataset of {"image": (3,S,S) uint8, "tokens": (L,) int64} from shards at `uri`;
     the consumer normalises the pixels (`mdc.images.normalize`), where it is cheap (on the GPU).
+    Every row also has "shard" (its index in the sorted shard list), "row" (its place in the
+    shard) and "shard_rows" (the shard's row count on its last batch's rows, else 0).
 
-    The shard order is shuffled anew each epoch from `shuffle_seed` (None: sorted order).
-    `resources` default to the whole cluster, for use outside training."""
-    files = shards.list_shards(uri, format, endpoint_url)
+    The shard order is shuffled anew each epoch from `shuffle_seed` (None: sorted order); the
+    shards `skips` (a ShardSkips) names when an epoch starts are passed over. `files` is the shard
+    list when the caller has listed it; `resources` default to the whole cluster, for use outside
+    training."""
+    files = files or shards.list_shards(uri, format, endpoint_url)
     resources = resources or ingest_resources(ray.cluster_resources().get("CPU", 1.0), 0.0)
-    ds = ray.data.from_items([{"shard": f} for f in files], override_num_blocks=len(files))
+    ds = ray.data.from_items([{"shard": f, "index": i} for i, f in enumerate(files)], override_num_blocks=len(files))
     if shuffle_seed is not None:
         ds = ds.randomize_block_order(seed=ray.data.RandomSeedConfig(seed=shuffle_seed, reseed_after_execution=True))
     ds = ds.map_batches(
-        read_shards, fn_args=(image_size, max_length, counter, endpoint_url, Subset(subset_fraction, subset_salt)),
+        read_shards, fn_args=(image_size, max_length, counter, endpoint_url, Subset(subset_fraction, subset_salt), skips),
         batch_size=1, batch_format="numpy", num_cpus=resources.cpus_per_reader,
         compute=ray.data.TaskPoolStrategy(size=resources.max_readers),
     )
     # Ray would merge a task's batches up to 128 MiB blocks (a whole shard of small images): one
     # block per decoded batch reaches training sooner and bounds what a task holds.
-    ds.context.target_max_block_size = DECODE_BATCH * (3 * image_size**2 + 8 * max_length)
+    ds.context.target_max_block_size = DECODE_BATCH * (3 * image_size**2 + 8 * (max_length + 3))  # + shard tags
     return ds
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from mdc import checkpoint as ckpt
-from mdc import storage
+from mdc import shards, storage
 from mdc.config import ObjectiveConfig, RunConfig, dump_config
 from mdc.images import normalize
 from mdc.model import PRESETS, build_model
@@ -38,7 +38,9 @@ from mdc.tokenizer import CaptionTokenizer
 from mdc.training import EMA, build_optimizer, build_scheduler, train_step
 from pipelines import progress, reports, tracking
 from pipelines.console import console
-from pipelines.ingest import BatchFeed, DataStallError, SkipCounter, build_dataset, describe_stall, ingest_resources
+from pipelines.ingest import (SKIPS_TIMEOUT_S, BatchFeed, DataStallError, ShardSkips, SkipCounter, build_dataset,
+                              describe_stall, ingest_resources)
+from pipelines.position import DataPosition, ShardTally, fingerprint, resume_point
 from pipelines.runtime import absolute_paths, check_inputs
 
 
@@ -140,12 +142,20 @@ def train_loop(loop_config: dict) -> None:
 
     run_dir, endpoint = loop_config["run_dir"], cfg.data.endpoint_url
     background = ckpt.Background() if tc.async_checkpoint else None
-    step, epoch, extra_state = 0, 0, {}
+    shard_list, num_shards, shard_skips = loop_config["shards"], loop_config["num_shards"], loop_config["shard_skips"]
+    step, epoch, skipped = 0, 0, frozenset()
     restored = _choose_checkpoint(run_dir, endpoint, rank)
     if restored is not None:
         with ckpt.local_copy(restored, endpoint) as directory:
             state, extra_state = ckpt.load_training_state(directory, model, optimizer, scheduler, ema, rank)
-        step, epoch = state["step"], state["epoch"] + 1  # a resumed run starts a fresh epoch
+        step = state["step"]
+        epoch, skipped, why = resume_point(DataPosition.from_state(extra_state), state["epoch"], tc.seed,
+                                           shard_list, num_shards)
+        if rank == 0:
+            print(f"[mdc] data position at step {step}: {why}", flush=True)
+    if rank == 0:  # before any rank starts the epoch's pass (barrier)
+        ray.get(shard_skips.set.remote(skipped), timeout=SKIPS_TIMEOUT_S)
+    dist.barrier()
 
     restored_norm = param_norm(model) if restored is not None else None
     logger = reporter = None
@@ -166,7 +176,7 @@ def train_loop(loop_config: dict) -> None:
     tic, images_seen, tokens_seen, waited = time.perf_counter(), 0, 0, 0.0
     last_val = None
     while step < tc.steps:
-        batches_this_epoch = 0
+        batches_this_epoch, tally = 0, ShardTally(num_shards, skipped)
         for batch in feed(train_data.iter_torch_batches(  # one optimiser step's micro-batches at a time
                 batch_size=tc.batch_size * tc.accumulation_steps, drop_last=True,
                 local_shuffle_buffer_size=cfg.data.shuffle_buffer or None,
@@ -179,6 +189,9 @@ def train_loop(loop_config: dict) -> None:
             metrics = train_step(model, optimizer, scheduler, images, tokens, cfg.objective,
                                  cfg.optim.grad_clip, _step_generator(tc.seed, rank, step, device), ema,
                                  micro_batches=tc.accumulation_steps)
+            tally.add(batch["shard"], batch["shard_rows"])
+            if loop_config.get("trained_rows_dir"):
+                _record_trained_rows(loop_config["trained_rows_dir"], rank, epoch, step, batch)
             images_seen += images.shape[0] * world
             tokens_seen += int((tokens != CaptionTokenizer.pad_id).sum()) * world
             metrics["loss"] = mean_over_ranks(metrics["loss"], device)
@@ -204,9 +217,10 @@ def train_loop(loop_config: dict) -> None:
             if step % tc.checkpoint_every == 0 or step == tc.steps:
                 if logger is not None:
                     logger.flush()  # every step up to a checkpoint is in MLflow before it exists
+                position = DataPosition(epoch, tc.seed, shard_list, tally.consumed(device))  # collective
                 _save_checkpoint(cfg, run_dir, model, optimizer, scheduler, ema,
                                  {"step": step, "epoch": epoch, "metrics": {**metrics, "step": step}},
-                                 extra_state, rank, fault, background)
+                                 position.to_state(), rank, fault, background)
                 ray.train.report({**metrics, "step": step})
                 if reporter is not None:
                     reporter.note(f"checkpoint at step {step}")
@@ -214,12 +228,24 @@ def train_loop(loop_config: dict) -> None:
                 ray.train.report({**metrics, "step": step})
             if step >= tc.steps:
                 break
-        if batches_this_epoch == 0:
+        if batches_this_epoch == 0 and not skipped:  # a resumed epoch's rest may not fill a batch
             raise RuntimeError(f"no full batch of {tc.batch_size * tc.accumulation_steps} in {cfg.data.train_uri} "
                                f"for rank {rank}: the dataset is smaller than global_batch_size")
         epoch += 1
+        if skipped:  # the resumed epoch is over: the next ones are fresh passes
+            skipped = frozenset()
+            if rank == 0:
+                ray.get(shard_skips.set.remote(skipped), timeout=SKIPS_TIMEOUT_S)
+            dist.barrier()
     if logger is not None:
         logger.flush()
+
+
+def _record_trained_rows(directory: str, rank: int, epoch: int, step: int, batch: dict) -> None:
+    """Test hook (loop_config["trained_rows_dir"]): each rank appends "epoch step shard row" for
+    every row it trained on, to check what a resumed run trains (tests/test_resume_position.py)."""
+    with open(Path(directory, f"rank{rank}.txt"), "a") as f:
+        f.writelines(f"{epoch} {step} {s} {r}\n" for s, r in zip(batch["shard"].tolist(), batch["row"].tolist()))
 
 
 def _choose_checkpoint(run_dir: str, endpoint: str | None, rank: int) -> str | None:
@@ -290,17 +316,18 @@ def storage_for(uri: str, endpoint_url: str | None):
 
 
 def run_training(cfg: RunConfig, fault: Fault | None = None, parent_run_id: str | None = None,
-                 callbacks: list | None = None, channel=None) -> TrainSummary:
+                 callbacks: list | None = None, channel=None, trained_rows_dir: str | None = None) -> TrainSummary:
     """Driver: fails fast on bad inputs, then trains and returns where everything went.
     `parent_run_id` nests the MLflow run under a sweep; `callbacks` go to Ray Train (e.g. Tune's).
     `channel` (a progress.ProgressChannel) is given by a caller that shows several runs at once (a
-    sweep); without one, the run draws its own progress display on the console."""
+    sweep); without one, the run draws its own progress display on the console.
+    `fault` and `trained_rows_dir` (where each rank writes the rows it trained on) are for tests."""
     cfg = absolute_paths(cfg)
     check_inputs(cfg)
     own_display = channel is None
     channel = channel or progress.open_channel()
     with progress.ProgressDisplay(channel, console) if own_display else contextlib.nullcontext():
-        summary = _train(cfg, fault, parent_run_id, callbacks, channel)
+        summary = _train(cfg, fault, parent_run_id, callbacks, channel, trained_rows_dir)
         log_training_report(cfg, summary, progress.Reporter(channel, cfg.name, cfg.train.steps))
     return summary
 
@@ -317,7 +344,7 @@ def log_training_report(cfg: RunConfig, summary: TrainSummary, reporter: progres
 
 
 def _train(cfg: RunConfig, fault: Fault | None, parent_run_id: str | None, callbacks: list | None,
-           channel) -> TrainSummary:
+           channel, trained_rows_dir: str | None = None) -> TrainSummary:
     data = cfg.data
     driver = progress.Reporter(channel, cfg.name, cfg.train.steps)
     driver.note(f"preparing data ({data.train_uri}) and {cfg.train.num_workers} training workers")
@@ -325,13 +352,15 @@ def _train(cfg: RunConfig, fault: Fault | None, parent_run_id: str | None, callb
     run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id)
 
     ray.data.DataContext.get_current().enable_operator_progress_bars = False  # one bar per dataset
-    counter = SkipCounter.remote()
+    counter, shard_skips = SkipCounter.remote(), ShardSkips.remote()
+    train_shards = shards.list_shards(data.train_uri, data.format, data.endpoint_url)
     size = image_size(cfg)
     training_cpus = cfg.train.num_workers * cfg.train.cpus_per_worker
     resources = ingest_resources(ray.cluster_resources().get("CPU", 0.0), training_cpus, data.ingest_cpus)
     datasets = {"train": build_dataset(data.train_uri, size, data.max_length, counter, data.endpoint_url,
                                        resources, shuffle_seed=cfg.train.seed, subset_fraction=data.subset_fraction,
-                                       subset_salt=data.subset_salt, format=data.format)}
+                                       subset_salt=data.subset_salt, format=data.format, skips=shard_skips,
+                                       files=train_shards)}
     if data.val_uri:
         n_val = cfg.train.val_batches * cfg.train.batch_size
         datasets["val"] = build_dataset(data.val_uri, size, data.max_length, counter, data.endpoint_url,
@@ -343,7 +372,8 @@ def _train(cfg: RunConfig, fault: Fault | None, parent_run_id: str | None, callb
         train_loop,
         train_loop_config={"cfg": cfg.model_dump(), "mlflow_uri": mlflow_uri, "mlflow_run_id": run_id,
                            "run_dir": run_dir, "fault": fault.__dict__ if fault else None, "progress": channel,
-                           "ingest": resources},
+                           "ingest": resources, "shards": fingerprint(train_shards), "num_shards": len(train_shards),
+                           "shard_skips": shard_skips, "trained_rows_dir": trained_rows_dir},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if cfg.train.use_gpu else {})}),

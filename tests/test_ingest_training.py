@@ -81,6 +81,7 @@ def test_a_source_that_never_yields_fails_with_one_error(ray_cluster, tmp_path, 
         return ray.data.from_items([{"x": 0}]).map_batches(never_yields, num_cpus=0.25)
 
     monkeypatch.setattr(train, "build_dataset", silent_dataset)
+    monkeypatch.setattr(train.shards, "list_shards", lambda *args: ["never-read.tar"])
     with pytest.raises(DataStallError) as info:  # within this test's timeout, although the source never ends
         run(tmp_path, "stall", tmp_path, data__stall_timeout_s=5, train__max_failures=0)
     message = str(info.value)
