@@ -10,9 +10,12 @@ The CPUs ingest may use are what the cluster has minus what the training workers
 (`ingest_resources`), cut into one reader per whole CPU: measured on 2 cores, four 0.25-CPU readers
 in a 1-CPU budget ingested 119–191 img/s where one 1-CPU reader did 436–505 (readers beyond the
 cores only contend). Each decoded batch leaves its task as its own block, so what a task holds
-does not grow with its shard. Bad records are dropped where they are found and counted by reason
-in one `SkipCounter` actor. A training worker that gets no batch for `data.stall_timeout_s` fails with a
-`DataStallError` that says which operator has produced nothing and what it waits for.
+does not grow with its shard. Bad records are dropped where they are found and counted by reason,
+per shard, in one `SkipCounter` actor. Rows carry their shard and place in it, for the data
+position a checkpoint stores (`pipelines/position.py`), and a resumed epoch's read tasks pass over
+the shards a `ShardSkips` actor names. A training worker that gets no batch for
+`data.stall_timeout_s` fails with a `DataStallError` that says which operator has produced nothing
+and what it waits for.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import functools
 import queue
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -61,21 +64,60 @@ def ingest_resources(cluster_cpus: float, training_cpus: float, override: float 
     return IngestResources(budget, budget / readers, readers)
 
 
-@ray.remote(num_cpus=0)
-class SkipCounter:
-    """Distinct skipped records by reason, over every read and decode task. Each record has an
-    identity (shard and key, or shard and position), so a shard read again in a later epoch is
-    not counted twice."""
+class SkipCounts:
+    """Skipped records by reason, over every shard read. A read task reports a shard's counts once
+    it has read the shard to its end, and a shard read again (a later epoch, a resumed one) counts
+    what it counted before, so each record is counted once. `by_shard` goes into checkpoints and
+    `restore` takes it back, so a relaunched run counts the shards it no longer reads too."""
 
     def __init__(self):
-        self.seen = defaultdict(set)
+        self.by_shard: dict[str, dict[str, int]] = {}
 
-    def add(self, ids_by_reason: dict[str, list[str]]) -> None:
-        for reason, ids in ids_by_reason.items():
-            self.seen[reason].update(ids)
+    def add(self, shard: str, counts: dict[str, int]) -> None:
+        self.by_shard[shard] = dict(counts)
+
+    def restore(self, by_shard: dict[str, dict[str, int]]) -> None:
+        for shard, counts in by_shard.items():
+            self.by_shard.setdefault(shard, counts)
+
+    def state(self) -> dict[str, dict[str, int]]:
+        return self.by_shard
 
     def get(self) -> dict[str, int]:
-        return {reason: len(ids) for reason, ids in sorted(self.seen.items())}
+        total = Counter()
+        for counts in self.by_shard.values():
+            total.update(counts)
+        return dict(sorted(total.items()))
+
+
+SkipCounter = ray.remote(num_cpus=0)(SkipCounts)  # one actor per run, every read task reports to it
+
+
+@ray.remote(num_cpus=0)
+class ShardSkips:
+    """The shards the epoch being trained passes over: those a resumed epoch had consumed before
+    its checkpoint (empty in a fresh pass). Rank 0 sets them before any rank iterates; each read
+    task asks once, so a skipped shard is never read (nor its bad records counted again)."""
+
+    def __init__(self):
+        self.skipped = frozenset()
+
+    def set(self, shard_indices) -> None:
+        self.skipped = frozenset(shard_indices)
+
+    def get(self) -> frozenset[int]:
+        return self.skipped
+
+
+ACTOR_TIMEOUT_S = 60.0
+
+
+def ask(call: ray.ObjectRef | list, what: str):
+    """The answer of a call to one of the run's actors, or an error naming it after ACTOR_TIMEOUT_S."""
+    try:
+        return ray.get(call, timeout=ACTOR_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"{what} did not answer in {ACTOR_TIMEOUT_S:g} s") from None
 
 
 class Subset:
@@ -96,11 +138,9 @@ def _tokenizer(max_length: int) -> CaptionTokenizer:
     return CaptionTokenizer(max_length)
 
 
-def _decode(samples: list[shards.Sample], image_size: int, max_length: int, counter) -> dict:
+def _decode(samples: list[shards.Sample], image_size: int, max_length: int, skips: Counter) -> dict:
     images, ok = preprocess_batch([s.image for s in samples], image_size, normalized=False)
-    bad = [s.key for s, good in zip(samples, ok) if not good]
-    if bad and counter is not None:
-        counter.add.remote({shards.UNDECODABLE_IMAGE: bad})
+    skips[shards.UNDECODABLE_IMAGE] += len(ok) - sum(ok)
     captions = [s.caption for s, good in zip(samples, ok) if good]
     tokens = _tokenizer(max_length).encode(captions) if captions else np.zeros((0, max_length), np.int64)
     return {"image": images[np.asarray(ok, dtype=bool)], "tokens": tokens}
@@ -116,30 +156,12 @@ def _tagged(batches: Iterator[dict], index: int) -> Iterator[dict]:
             continue
         if held is not None:
             yield held
-        held = {**batch, "shard": np.full(n, index), "row": np.arange(rows, rows + n), "shard_rows": np.zeros(n, np.int64)}
+        held = {**batch, "shard": np.full(n, index), "row": np.arange(rows, rows + n),
+                "shard_rows": np.zeros(n, np.int64)}
         rows += n
     if held is not None:
         held["shard_rows"][:] = rows
         yield held
-
-
-@ray.remote(num_cpus=0)
-class ShardSkips:
-    """The shards the epoch being trained passes over: those a resumed epoch had consumed before
-    its checkpoint (empty in a fresh pass). Rank 0 sets them before any rank iterates; each read
-    task asks once, so a skipped shard is never read (nor its bad records counted again)."""
-
-    def __init__(self):
-        self.skipped = frozenset()
-
-    def set(self, shard_indices) -> None:
-        self.skipped = frozenset(shard_indices)
-
-    def get(self) -> frozenset[int]:
-        return self.skipped
-
-
-SKIPS_TIMEOUT_S = 60.0
 
 
 def read_shards(batch: dict, image_size: int, max_length: int, counter, endpoint_url: str | None,
@@ -147,7 +169,7 @@ def read_shards(batch: dict, image_size: int, max_length: int, counter, endpoint
     """One task: shard paths in → their samples out as decoded, tokenized batches of DECODE_BATCH,
     yielded as they fill, so memory holds a batch and one open shard whatever the shard's size.
     Shards `skips` (a ShardSkips) names are passed over unread."""
-    skipped = ray.get(skips.get.remote(), timeout=SKIPS_TIMEOUT_S) if skips is not None else frozenset()
+    skipped = ask(skips.get.remote(), "the ShardSkips actor") if skips is not None else frozenset()
     for shard, index in zip(batch["shard"], batch["index"]):
         if int(index) in skipped:
             continue
@@ -160,12 +182,12 @@ def _read_shard(shard: str, image_size: int, max_length: int, counter, endpoint_
     for sample in subset(shards.iter_shard(shard, skips, endpoint_url)):
         pending.append(sample)
         if len(pending) == DECODE_BATCH:
-            yield _decode(pending, image_size, max_length, counter)
+            yield _decode(pending, image_size, max_length, skips)
             pending = []
     if pending:
-        yield _decode(pending, image_size, max_length, counter)
+        yield _decode(pending, image_size, max_length, skips)
     if counter is not None and any(skips.values()):
-        counter.add.remote({reason: [f"{shard}#{i}" for i in range(n)] for reason, n in skips.items()})
+        counter.add.remote(shard, +skips)
 
 
 def build_dataset(uri: str, image_size: int, max_length: int, counter=None, endpoint_url: str | None = None,
@@ -187,13 +209,14 @@ def build_dataset(uri: str, image_size: int, max_length: int, counter=None, endp
     if shuffle_seed is not None:
         ds = ds.randomize_block_order(seed=ray.data.RandomSeedConfig(seed=shuffle_seed, reseed_after_execution=True))
     ds = ds.map_batches(
-        read_shards, fn_args=(image_size, max_length, counter, endpoint_url, Subset(subset_fraction, subset_salt), skips),
+        read_shards,
+        fn_args=(image_size, max_length, counter, endpoint_url, Subset(subset_fraction, subset_salt), skips),
         batch_size=1, batch_format="numpy", num_cpus=resources.cpus_per_reader,
         compute=ray.data.TaskPoolStrategy(size=resources.max_readers),
     )
     # Ray would merge a task's batches up to 128 MiB blocks (a whole shard of small images): one
     # block per decoded batch reaches training sooner and bounds what a task holds.
-    ds.context.target_max_block_size = DECODE_BATCH * (3 * image_size**2 + 8 * (max_length + 3))  # + shard tags
+    ds.context.target_max_block_size = DECODE_BATCH * (3 * image_size**2 + 8 * (max_length + 3))  # 3 tags
     return ds
 
 

@@ -84,7 +84,8 @@ class ShardTally:
 
     def consumed(self, device) -> tuple[int, ...]:
         """Collective: the shards consumed this epoch by all ranks together."""
-        trained, totals = (torch.tensor(a, device=device) for a in (self.trained, self.totals))  # copies: reduced in place
+        # copies (torch.tensor, not from_numpy): the tally must not take the reduction in place
+        trained, totals = (torch.tensor(a, device=device) for a in (self.trained, self.totals))
         dist.all_reduce(trained)
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
         return tuple(sorted(self.skipped | consumed_shards(trained.cpu().numpy(), totals.cpu().numpy())))

@@ -3,8 +3,9 @@
 `run_training` is the driver: it checks storage, builds the datasets, opens the MLflow run and
 launches a `TorchTrainer`. `train_loop` runs on every worker: build and shard the model, restore the
 newest complete checkpoint in the run's storage if there is one (a restarted worker group or a
-relaunched run with the same name), train, save DCP checkpoints there (mdc.checkpoint) and report
-metrics through `ray.train.report`. Checkpoints are not handed to Ray Train: it records one only
+relaunched run with the same name) and go on with its epoch's data where it left it
+(pipelines/position.py), train, save DCP checkpoints there (mdc.checkpoint) with the data position
+and report metrics through `ray.train.report`. Checkpoints are not handed to Ray Train: it records one only
 once every rank has reported it, so a group that died in between would lose a checkpoint that is
 already written; the completion marker in storage is the one record of what can be resumed.
 """
@@ -38,10 +39,13 @@ from mdc.tokenizer import CaptionTokenizer
 from mdc.training import EMA, build_optimizer, build_scheduler, train_step
 from pipelines import progress, reports, tracking
 from pipelines.console import console
-from pipelines.ingest import (SKIPS_TIMEOUT_S, BatchFeed, DataStallError, ShardSkips, SkipCounter, build_dataset,
+from pipelines.ingest import (BatchFeed, DataStallError, ShardSkips, SkipCounter, ask, build_dataset,
                               describe_stall, ingest_resources)
 from pipelines.position import DataPosition, ShardTally, fingerprint, resume_point
 from pipelines.runtime import absolute_paths, check_inputs
+
+
+SKIPPED = "skipped_by_shard"  # rank 0's extra state in a checkpoint: SkipCounts.by_shard
 
 
 @dataclass
@@ -143,19 +147,14 @@ def train_loop(loop_config: dict) -> None:
     run_dir, endpoint = loop_config["run_dir"], cfg.data.endpoint_url
     background = ckpt.Background() if tc.async_checkpoint else None
     shard_list, num_shards, shard_skips = loop_config["shards"], loop_config["num_shards"], loop_config["shard_skips"]
-    step, epoch, skipped = 0, 0, frozenset()
+    skip_counter = loop_config["skip_counter"]
+    step, state, extra_state = 0, None, {}
     restored = _choose_checkpoint(run_dir, endpoint, rank)
     if restored is not None:
         with ckpt.local_copy(restored, endpoint) as directory:
             state, extra_state = ckpt.load_training_state(directory, model, optimizer, scheduler, ema, rank)
         step = state["step"]
-        epoch, skipped, why = resume_point(DataPosition.from_state(extra_state), state["epoch"], tc.seed,
-                                           shard_list, num_shards)
-        if rank == 0:
-            print(f"[mdc] data position at step {step}: {why}", flush=True)
-    if rank == 0:  # before any rank starts the epoch's pass (barrier)
-        ray.get(shard_skips.set.remote(skipped), timeout=SKIPS_TIMEOUT_S)
-    dist.barrier()
+    epoch, skipped = _start_data(state, extra_state, loop_config, tc.seed, rank)
 
     restored_norm = param_norm(model) if restored is not None else None
     logger = reporter = None
@@ -217,10 +216,12 @@ def train_loop(loop_config: dict) -> None:
             if step % tc.checkpoint_every == 0 or step == tc.steps:
                 if logger is not None:
                     logger.flush()  # every step up to a checkpoint is in MLflow before it exists
-                position = DataPosition(epoch, tc.seed, shard_list, tally.consumed(device))  # collective
+                data_state = DataPosition(epoch, tc.seed, shard_list, tally.consumed(device)).to_state()  # collective
+                if rank == 0:  # the skip counts of shards a relaunched run will not read again
+                    data_state[SKIPPED] = ask(skip_counter.state.remote(), "the SkipCounter actor")
                 _save_checkpoint(cfg, run_dir, model, optimizer, scheduler, ema,
                                  {"step": step, "epoch": epoch, "metrics": {**metrics, "step": step}},
-                                 position.to_state(), rank, fault, background)
+                                 data_state, rank, fault, background)
                 ray.train.report({**metrics, "step": step})
                 if reporter is not None:
                     reporter.note(f"checkpoint at step {step}")
@@ -235,10 +236,29 @@ def train_loop(loop_config: dict) -> None:
         if skipped:  # the resumed epoch is over: the next ones are fresh passes
             skipped = frozenset()
             if rank == 0:
-                ray.get(shard_skips.set.remote(skipped), timeout=SKIPS_TIMEOUT_S)
+                ask(shard_skips.set.remote(skipped), "the ShardSkips actor")
             dist.barrier()
     if logger is not None:
         logger.flush()
+
+
+def _start_data(state: dict | None, extra_state: dict, loop_config: dict, seed: int, rank: int
+                ) -> tuple[int, frozenset[int]]:
+    """Collective. (epoch, shards it passes over) for a run that starts from checkpoint `state`
+    (None: from scratch): a resumed run goes on with its checkpoint's epoch (pipelines/position.py).
+    Rank 0 tells the read tasks what to pass over, and the skip counter the counts of shards read
+    before a relaunch, before any rank starts reading."""
+    epoch, skipped = 0, frozenset()
+    if state is not None:
+        epoch, skipped, why = resume_point(DataPosition.from_state(extra_state), state["epoch"], seed,
+                                           loop_config["shards"], loop_config["num_shards"])
+        if rank == 0:
+            print(f"[mdc] data position at step {state['step']}: {why}", flush=True)
+    if rank == 0:
+        ask([loop_config["shard_skips"].set.remote(skipped),
+             loop_config["skip_counter"].restore.remote(extra_state.get(SKIPPED, {}))], "the ingest actors")
+    dist.barrier()
+    return epoch, skipped
 
 
 def _record_trained_rows(directory: str, rank: int, epoch: int, step: int, batch: dict) -> None:
@@ -373,7 +393,7 @@ def _train(cfg: RunConfig, fault: Fault | None, parent_run_id: str | None, callb
         train_loop_config={"cfg": cfg.model_dump(), "mlflow_uri": mlflow_uri, "mlflow_run_id": run_id,
                            "run_dir": run_dir, "fault": fault.__dict__ if fault else None, "progress": channel,
                            "ingest": resources, "shards": fingerprint(train_shards), "num_shards": len(train_shards),
-                           "shard_skips": shard_skips, "trained_rows_dir": trained_rows_dir},
+                           "shard_skips": shard_skips, "skip_counter": counter, "trained_rows_dir": trained_rows_dir},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if cfg.train.use_gpu else {})}),

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from mdc.config import load_config
-from mdc.datasets.img2dataset import generated_rows, write_img2dataset_folder
+from mdc.datasets.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
 from pipelines import ingest
-from pipelines.ingest import Subset, read_shards
+from pipelines.ingest import SkipCounts, Subset, read_shards
 from pipelines.position import DataPosition, ShardTally, consumed_shards, fingerprint, resume_point
 
 
@@ -45,27 +45,70 @@ def test_resume_point_goes_on_with_the_epoch_unless_the_position_does_not_fit():
     assert resume_point(whole, 2, 0, files, 3)[:2] == (3, frozenset())
 
 
-def test_read_tasks_tag_rows_and_pass_over_skipped_shards(tmp_path, monkeypatch):
-    monkeypatch.setattr(ingest, "DECODE_BATCH", 4)  # 10 rows a shard: batches of 4, 4 and 2
+class Actor:
+    """Stands in for a Ray actor handle: `actor.method.remote(...)` calls the object's method."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name):
+        return type("Method", (), {"remote": staticmethod(getattr(self.obj, name))})
+
+
+def two_shards(tmp_path, damaged=False):
     write_img2dataset_folder(generated_rows(20, image_size=32, failed_every=0), str(tmp_path), "webdataset",
                              samples_per_shard=10)
-    files = [str(tmp_path / "00000.tar"), str(tmp_path / "00001.tar")]
-    batch = {"shard": np.array(files), "index": np.array([0, 1])}
+    counts = damage_folder(str(tmp_path), "webdataset") if damaged else {}
+    return {"shard": np.array([str(tmp_path / "00000.tar"), str(tmp_path / "00001.tar")]),
+            "index": np.array([0, 1])}, counts
+
+
+class Passed:
+    """What a ShardSkips actor holds."""
+
+    skipped = frozenset()
+
+    def set(self, shards):
+        self.skipped = frozenset(shards)
+
+    def get(self):
+        return self.skipped
+
+
+@pytest.fixture
+def no_ray_get(monkeypatch):
+    """The stand-in actors answer at once: ray.get passes their answers through."""
+    monkeypatch.setattr(ingest.ray, "get", lambda answer, timeout: answer)
+
+
+def test_read_tasks_tag_rows_with_their_shard_row_and_the_shards_row_count(tmp_path, monkeypatch):
+    monkeypatch.setattr(ingest, "DECODE_BATCH", 4)  # 10 rows a shard: batches of 4, 4 and 2
+    batch, _ = two_shards(tmp_path)
     out = list(read_shards(batch, 32, 16, None, None, Subset(None, "")))
     assert [len(b["tokens"]) for b in out] == [4, 4, 2, 4, 4, 2]
     assert np.concatenate([b["shard"] for b in out]).tolist() == [0] * 10 + [1] * 10
     assert np.concatenate([b["row"] for b in out]).tolist() == list(range(10)) * 2
     assert [b["shard_rows"].tolist() for b in out][:3] == [[0] * 4, [0] * 4, [10, 10]]  # on the last batch only
 
-    class Skips:  # what a ShardSkips actor answers
-        class get:
-            @staticmethod
-            def remote():
-                return "ref"
 
-    monkeypatch.setattr(ingest.ray, "get", lambda ref, timeout: frozenset({0}))
-    out = list(read_shards(batch, 32, 16, None, None, Subset(None, ""), Skips))
-    assert np.concatenate([b["shard"] for b in out]).tolist() == [1] * 10
+def test_skipped_shards_are_not_read_and_bad_records_are_counted_once(tmp_path, no_ray_get):
+    """Shard 0 has a corrupt JPEG, an empty and a non-UTF-8 caption; shard 1 is cut short. A
+    resumed epoch that passes over shard 0 reads shard 1 again: every count stays what one pass
+    counted, in the live counter and in one restored from a checkpoint."""
+    batch, damaged = two_shards(tmp_path, damaged=True)
+    counts, skips = SkipCounts(), Passed()
+    first = list(read_shards(batch, 32, 16, Actor(counts), None, Subset(None, ""), Actor(skips)))
+    assert counts.get() == damaged and set(np.concatenate([b["shard"] for b in first])) == {0, 1}
+
+    skips.set({0})
+    again = list(read_shards(batch, 32, 16, Actor(counts), None, Subset(None, ""), Actor(skips)))
+    assert set(np.concatenate([b["shard"] for b in again])) == {1}
+    assert counts.get() == damaged
+
+    relaunched = SkipCounts()
+    relaunched.restore(json.loads(json.dumps(counts.state())))  # as a checkpoint carries it
+    list(read_shards(batch, 32, 16, Actor(relaunched), None, Subset(None, ""), Actor(skips)))
+    assert relaunched.get() == damaged
 
 
 # ------------------------------------------------------------------------------------- on Ray
