@@ -9,9 +9,10 @@ The checkpoint stores the `DataPosition` (epoch, shard-order seed, the shard lis
 the consumed shards); a resumed run continues that epoch, its read tasks passing over the consumed
 shards without reading them (`ingest.ShardSkips`).
 
-Guarantee: no shard is lost; the shards in flight at the checkpoint (partly trained on) are read
-again in full, so at most their rows are trained on twice; after the resumed epoch, epochs are
-fresh passes. Rows an epoch cannot fill a last batch with are dropped, as in any epoch.
+Guarantee, for the weights resumed from a checkpoint (steps after it are lost and trained anew):
+no shard is lost; the shards in flight at the checkpoint (partly trained on) are read again in
+full, so at most their rows are trained on twice; after the resumed epoch, epochs are fresh
+passes. Rows an epoch cannot fill a last batch with are dropped, as in any epoch.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def resume_point(position: DataPosition | None, epoch: int, shard_seed: int | No
         return epoch + 1, frozenset(), "the shard list or train.seed changed since the checkpoint: a fresh pass"
     if len(position.consumed) >= num_shards:
         return position.epoch + 1, frozenset(), f"epoch {position.epoch} was consumed in full: a fresh pass"
-    return (position.epoch, frozenset(position.consumed),
-            f"epoch {position.epoch} goes on without its {len(position.consumed)} of {num_shards} shards consumed")
+    return (position.epoch, frozenset(position.consumed), f"epoch {position.epoch} goes on with the "
+            f"{num_shards - len(position.consumed)} of its {num_shards} shards not yet consumed")
 
 
 def consumed_shards(trained: np.ndarray, totals: np.ndarray) -> set[int]:
