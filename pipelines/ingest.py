@@ -93,8 +93,7 @@ class SkipCounts:
 SkipCounter = ray.remote(num_cpus=0)(SkipCounts)  # one actor per run, every read task reports to it
 
 
-@ray.remote(num_cpus=0)
-class ShardSkips:
+class ShardSkipSet:
     """The shards the epoch being trained passes over: those a resumed epoch had consumed before
     its checkpoint (empty in a fresh pass). Rank 0 sets them before any rank iterates; each read
     task asks once, so a skipped shard is never read (nor its bad records counted again)."""
@@ -107,6 +106,9 @@ class ShardSkips:
 
     def get(self) -> frozenset[int]:
         return self.skipped
+
+
+ShardSkips = ray.remote(num_cpus=0)(ShardSkipSet)  # one actor per run, every read task asks it
 
 
 ACTOR_TIMEOUT_S = 60.0

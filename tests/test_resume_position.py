@@ -12,7 +12,7 @@ import torch
 from mdc.config import load_config
 from mdc.datasets.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
 from pipelines import ingest
-from pipelines.ingest import SkipCounts, Subset, read_shards
+from pipelines.ingest import ShardSkipSet, SkipCounts, Subset, read_shards
 from pipelines.position import DataPosition, ShardTally, consumed_shards, fingerprint, resume_point
 
 
@@ -63,18 +63,6 @@ def two_shards(tmp_path, damaged=False):
             "index": np.array([0, 1])}, counts
 
 
-class Passed:
-    """What a ShardSkips actor holds."""
-
-    skipped = frozenset()
-
-    def set(self, shards):
-        self.skipped = frozenset(shards)
-
-    def get(self):
-        return self.skipped
-
-
 @pytest.fixture
 def no_ray_get(monkeypatch):
     """The stand-in actors answer at once: ray.get passes their answers through."""
@@ -96,7 +84,7 @@ def test_skipped_shards_are_not_read_and_bad_records_are_counted_once(tmp_path, 
     resumed epoch that passes over shard 0 reads shard 1 again: every count stays what one pass
     counted, in the live counter and in one restored from a checkpoint."""
     batch, damaged = two_shards(tmp_path, damaged=True)
-    counts, skips = SkipCounts(), Passed()
+    counts, skips = SkipCounts(), ShardSkipSet()
     first = list(read_shards(batch, 32, 16, Actor(counts), None, Subset(None, ""), Actor(skips)))
     assert counts.get() == damaged and set(np.concatenate([b["shard"] for b in first])) == {0, 1}
 
