@@ -180,6 +180,8 @@ def read_shards(batch: dict, image_size: int, max_length: int, counter, endpoint
 
 def _read_shard(shard: str, image_size: int, max_length: int, counter, endpoint_url: str | None,
                 subset: Subset) -> Iterator[dict]:
+    """One shard's samples as decoded batches; its skip counts go to `counter` once it is read to
+    its end (a read cut short reports nothing: the shard is read again, in full, later)."""
     skips, pending = Counter(), []
     for sample in subset(shards.iter_shard(shard, skips, endpoint_url)):
         pending.append(sample)

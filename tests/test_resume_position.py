@@ -117,8 +117,9 @@ def trained_rows(directory) -> list[tuple[int, int, int, int, int]]:
 @pytest.mark.timeout(600)  # ~1.5 min alone; minutes on a shared machine
 def test_a_resumed_run_trains_the_rest_of_its_epoch(ray_cluster, tmp_path):
     """Rank 1 dies once checkpoint 3 is complete (each rank has trained 24 rows: shards in flight).
-    The restarted group goes on with epoch 0 without the shards consumed by then: every row of the
-    epoch is trained on, only rows of shards in flight at the checkpoint twice; epoch 1 is whole."""
+    The restarted group goes on with epoch 0 without the shards consumed by then: epoch 0 trains
+    the rows an uninterrupted epoch does (epoch 1 of the same run: every row once), only rows of
+    shards in flight at the checkpoint twice, and every checkpoint holds what was consumed."""
     from pipelines.train import Fault, run_training
 
     write_img2dataset_folder(generated_rows(SHARDS * ROWS_PER_SHARD, image_size=32, failed_every=0),
