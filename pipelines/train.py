@@ -246,19 +246,20 @@ def _start_data(state: dict | None, extra_state: dict, loop_config: dict, seed: 
                 ) -> tuple[int, frozenset[int]]:
     """Collective. (epoch, shards it passes over) for a run that starts from checkpoint `state`
     (None: from scratch): a resumed run goes on with its checkpoint's epoch (pipelines/position.py).
-    Rank 0 tells the read tasks what to pass over, and the skip counter the counts of shards read
-    before a relaunch, before any rank starts reading."""
-    epoch, skipped = 0, frozenset()
-    if state is not None:
-        epoch, skipped, why = resume_point(DataPosition.from_state(extra_state), state["epoch"], seed,
-                                           loop_config["shards"], loop_config["num_shards"])
-        if rank == 0:
-            print(f"[mdc] data position at step {state['step']}: {why}", flush=True)
+    Rank 0 decides, from its own extra state (so a changed world size cannot make ranks disagree),
+    and tells the read tasks what to pass over, and the skip counter the counts of shards read
+    before a relaunch, before any other rank may start reading."""
+    start = [(0, frozenset())]
     if rank == 0:
-        ask([loop_config["shard_skips"].set.remote(skipped),
+        if state is not None:
+            epoch, skipped, why = resume_point(DataPosition.from_state(extra_state), state["epoch"], seed,
+                                               loop_config["shards"], loop_config["num_shards"])
+            print(f"[mdc] data position at step {state['step']}: {why}", flush=True)
+            start = [(epoch, skipped)]
+        ask([loop_config["shard_skips"].set.remote(start[0][1]),
              loop_config["skip_counter"].restore.remote(extra_state.get(SKIPPED, {}))], "the ingest actors")
-    dist.barrier()
-    return epoch, skipped
+    dist.broadcast_object_list(start, src=0)  # also the barrier: the actors are set
+    return start[0]
 
 
 def _record_trained_rows(directory: str, rank: int, epoch: int, step: int, batch: dict) -> None:
