@@ -21,6 +21,7 @@ and what it waits for.
 from __future__ import annotations
 
 import functools
+import math
 import queue
 import threading
 import time
@@ -52,16 +53,20 @@ class IngestResources:
     max_readers: int
 
 
-def ingest_resources(cluster_cpus: float, training_cpus: float, override: float | None = None) -> IngestResources:
+def ingest_resources(cluster_cpus: float, training_cpus: float, override: float | None = None,
+                     held_cpus: float = 0.0) -> IngestResources:
     """Ingest gets what the training workers leave (or `override`, data.ingest_cpus), as one
-    reader per whole CPU of it (one reader with all of it below 2), so a 2-CPU machine runs one
-    1-CPU reader beside two 0.5-CPU workers and a 64-CPU node runs 56 beside 8 one-CPU workers."""
+    reader per whole CPU of it, none asking for more than one CPU: a 2-CPU machine runs one 1-CPU
+    reader beside two 0.5-CPU workers and a 64-CPU node runs 56 beside 8 one-CPU workers. CPUs
+    that others hold when the run starts (`held_cpus`, e.g. the 0.05 of a Tune trial's own driver)
+    are left to them, and requests are rounded down to 0.01 CPU, so a reader always fits."""
     budget = override if override is not None else cluster_cpus - training_cpus
     if budget <= 0:
         raise ConfigError(f"no CPU left for data ingest: the cluster has {cluster_cpus:g} CPUs and the "
                          f"training workers hold {training_cpus:g}; lower train.cpus_per_worker or set data.ingest_cpus")
-    readers = max(1, int(budget + 1e-9))
-    return IngestResources(budget, budget / readers, readers)
+    usable = budget - held_cpus if budget - held_cpus >= 0.01 else budget  # a holder about to leave waits
+    readers = max(1, int(usable + 1e-9))
+    return IngestResources(budget, math.floor(min(1.0, usable / readers) * 100) / 100, readers)
 
 
 class SkipCounts:

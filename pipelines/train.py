@@ -377,7 +377,9 @@ def _train(cfg: RunConfig, fault: Fault | None, parent_run_id: str | None, callb
     train_shards = shards.list_shards(data.train_uri, data.format, data.endpoint_url)
     size = image_size(cfg)
     training_cpus = cfg.train.num_workers * cfg.train.cpus_per_worker
-    resources = ingest_resources(ray.cluster_resources().get("CPU", 0.0), training_cpus, data.ingest_cpus)
+    cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
+    resources = ingest_resources(cluster_cpus, training_cpus, data.ingest_cpus,
+                                 held_cpus=cluster_cpus - ray.available_resources().get("CPU", 0.0))
     datasets = {"train": build_dataset(data.train_uri, size, data.max_length, counter, data.endpoint_url,
                                        resources, shuffle_seed=cfg.train.seed, subset_fraction=data.subset_fraction,
                                        subset_salt=data.subset_salt, format=data.format, skips=shard_skips,

@@ -129,6 +129,10 @@ def test_ingest_budget_is_what_training_leaves():
     assert (big.budget, big.cpus_per_reader, big.max_readers) == (56, 1.0, 56)
     assert ingest_resources(2, 1, override=3).max_readers == 3
     assert ingest_resources(2, 1.5).cpus_per_reader == 0.5  # below one CPU: one reader with all of it
+    # a Tune trial's driver holds 0.05 CPU: with two 0.5-CPU workers a whole-CPU reader would never start
+    assert (ingest_resources(2, 1, held_cpus=0.05).cpus_per_reader, ingest_resources(2, 1, held_cpus=0.05).max_readers) == (0.95, 1)
+    assert ingest_resources(2, 0.5, held_cpus=0.05).cpus_per_reader == 1.0  # at most one CPU a reader
+    assert ingest_resources(2, 1, held_cpus=1.0).cpus_per_reader == 1.0  # a holder about to leave: waited for
     with pytest.raises(ValueError, match="cluster has 2 CPUs and the training workers hold 2"):
         ingest_resources(2, 2)
 
