@@ -19,9 +19,9 @@ import torch.distributed as dist
 from moto.server import ThreadedMotoServer
 
 from benchmarks.train_throughput import init_single_process_group, training_setup
-from mdc import checkpoint as ckpt
+from mdc.train import checkpoint as ckpt
 from mdc.config import ObjectiveConfig, load_config
-from mdc.training import train_step
+from mdc.train.step import train_step
 from pipelines.train import _save_checkpoint
 
 

@@ -26,10 +26,10 @@ import time
 import numpy as np
 import ray
 
-from mdc import shards
-from mdc.datasets.img2dataset import generated_rows, write_img2dataset_folder
-from mdc.images import preprocess_batch
-from mdc.tokenizer import CaptionTokenizer
+from mdc.data import shards
+from mdc.data.img2dataset import generated_rows, write_img2dataset_folder
+from mdc.data.images import preprocess_batch
+from mdc.data.tokenizer import CaptionTokenizer
 from pipelines.ingest import build_dataset, ingest_resources
 
 IMAGE_SIZE, SOURCE_SIZE, MAX_LENGTH, BATCH = 224, 256, 32, 64

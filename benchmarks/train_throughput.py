@@ -21,11 +21,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mdc.config import ObjectiveConfig, OptimConfig
-from mdc.model import Captioner
-from mdc.objectives import compute_loss
-from mdc.parallel import prepare_model
-from mdc.tokenizer import CaptionTokenizer
-from mdc.training import build_optimizer, build_scheduler, train_step
+from mdc.models.captioner import Captioner
+from mdc.registry import compute_loss
+from mdc.train.fsdp import prepare_model
+from mdc.data.tokenizer import CaptionTokenizer
+from mdc.train.step import build_optimizer, build_scheduler, train_step
 
 
 def peak_matmul_flops(device: str, dtype: torch.dtype, n: int = 2048, seconds: float = 2.0) -> float:

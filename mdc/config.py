@@ -8,9 +8,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-ObjectiveName = Literal["mdc", "cmlm", "bert", "ar", "cappa", "clip", "cdlm"]
+from mdc.registry import MASKED_OBJECTIVES, OBJECTIVES
+
+ObjectiveName = Literal[tuple(OBJECTIVES)]  # the registry's entries, in its order
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"  # every command's default
-MASKED_OBJECTIVES = ("mdc", "cmlm", "bert")  # the ones DDCap's length head and image-free training apply to
 PresetName = Literal["tiny", "vit_b32", "vit_b16", "vit_l14"]
 
 
@@ -47,8 +48,6 @@ class ObjectiveConfig(_Section):
     def _schedule(self) -> ObjectiveConfig:
         if self.omega_l >= self.omega_u:
             raise ValueError(f"omega_l must be < omega_u, got {self.omega_l} >= {self.omega_u}")
-        if self.name in ("mdc", "cmlm") and self.omega_u <= 0.0:
-            raise ValueError("omega_u must be > 0 for diffusion objectives")
         if self.image_free_prob > 0 and self.name not in MASKED_OBJECTIVES:
             raise ValueError(f"image_free_prob applies to {MASKED_OBJECTIVES}, not {self.name!r}")
         return self
@@ -134,11 +133,12 @@ class RunConfig(_Section):
     def _objective_needs(self) -> RunConfig:
         if self.model.predict_length and self.objective.name not in MASKED_OBJECTIVES:
             raise ValueError(f"model.predict_length applies to {MASKED_OBJECTIVES}, not {self.objective.name!r}")
-        if self.model.time_conditioning and self.objective.name in ("ar", "cappa"):
+        time = OBJECTIVES[self.objective.name].time
+        if self.model.time_conditioning and time == "never":
             raise ValueError(f"model.time_conditioning=true needs a noise level t, which {self.objective.name!r} "
                              "has not; set it false for autoregressive objectives")
-        if self.objective.name == "cdlm" and not self.model.time_conditioning:
-            self.model.time_conditioning = True  # the continuous denoiser must know its noise level
+        if time == "required" and not self.model.time_conditioning:
+            self.model.time_conditioning = True  # a continuous denoiser must know its noise level
         return self
 
 

@@ -5,7 +5,8 @@ step one forward pass predicts every masked position and some positions are comm
 - `ancestral` (MDLM): going from t to s < t, each masked position is unmasked with probability
   (t − s)/t, its token drawn from p_θ;
 - `confidence` (DDCap best-first): commit the k masked positions whose chosen token is most probable.
-Given tokens are never changed. Autoregressive models decode greedily with a KV cache.
+Given tokens are never changed. Autoregressive models decode greedily with a KV cache; CLIP-Diffusion-LM
+denoises continuous embeddings from noise and rounds them to tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 import torch
 
 from mdc import ddcap
+from mdc.models.cdlm import noised
 
 
 def _choose(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,3 +121,26 @@ def generate_autoregressive(model, images: torch.Tensor, max_tokens: int | None 
     out = seq[:, 1:]
     out = torch.where(out == model.eos_id, model.pad_id, out)
     return torch.nn.functional.pad(out, (0, max_tokens - out.shape[1]), value=model.pad_id)
+
+
+def placeholder_tokens(batch_size: int, length: int, device) -> torch.Tensor:
+    """Token ids standing for the positions being generated: never embedded (inputs come from x_t),
+    only told apart from pad, so any ordinary id (0) does."""
+    return torch.zeros(batch_size, length, dtype=torch.long, device=device)
+
+
+@torch.no_grad()
+def sample_continuous(model, images: torch.Tensor, length: int, steps: int = 5,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, length) caption tokens: from noise, `steps` rounds of predict x̂0 → re-noise to the next
+    level of an even grid from t = 1 to 0, then argmax rounding of the last x̂0."""
+    b, device = images.shape[0], images.device
+    image_kv = model.image_keys_values(model.encode(images))
+    tokens = placeholder_tokens(b, length, device)
+    x = torch.randn(b, length, model.dim, generator=generator, device=device)
+    levels = torch.linspace(1.0, 0.0, steps + 1, device=device)
+    for i in range(steps):
+        x0_hat = model.predict_x0(tokens, image_kv, levels[i].expand(b), x)
+        noise = torch.randn(x.shape, generator=generator, device=device)
+        x = noised(x0_hat, levels[i + 1].expand(b), noise)
+    return model.project(x0_hat).argmax(dim=-1)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from mdc.objectives import T_MIN, autoregressive_io
+from mdc.models.cdlm import noised
+from mdc.objectives.autoregressive import autoregressive_io
+from mdc.objectives.masked import T_MIN
 
 
 def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -81,3 +83,36 @@ def monte_carlo_elbo(model, images, candidates: list[torch.Tensor], num_samples:
             logp[masked] = _token_log_probs(model.decode(noisy, image_kv, t=t, where=masked), tokens[masked])
             totals[c] += logp.sum(1) / t
     return [total / num_samples for total in totals]
+
+
+@torch.no_grad()
+def cosine_scores(model, images: torch.Tensor, candidates: list[torch.Tensor]) -> torch.Tensor:
+    """(B, K) image–caption cosine similarity for K candidate token tensors (B, L) each."""
+    image = model.image_embedding(images)
+    return torch.stack([(image * model.text_embedding(tokens)).sum(-1) for tokens in candidates], dim=1)
+
+
+@torch.no_grad()
+def denoising_scores(model, images: torch.Tensor, candidates: list[torch.Tensor], num_samples: int = 16,
+                     generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """A likelihood proxy per candidate caption (B,): minus its denoising loss summed over its tokens,
+    averaged over `num_samples` draws of (t, ε) shared by all candidates (common random numbers);
+    t is stratified over the draws."""
+    image_kv = model.image_keys_values(model.encode(images))
+    b, length = candidates[0].shape[0], max(c.shape[1] for c in candidates)
+    device = images.device
+    t_all = (torch.arange(num_samples, device=device)[:, None]
+             + torch.rand(num_samples, b, generator=generator, device=device)) / num_samples
+    noise_all = torch.randn(num_samples, b, length, model.dim, generator=generator, device=device)
+    scores = []
+    for tokens in candidates:
+        real, total = tokens != model.pad_id, torch.zeros(b, device=device)
+        x0 = model.embed(tokens)
+        for k in range(num_samples):
+            t, noise = t_all[k], noise_all[k, :, :tokens.shape[1]]
+            x0_hat = model.predict_x0(tokens, image_kv, t, noised(x0, t, noise))
+            mse = (x0_hat - x0).pow(2).mean(-1)
+            logp = model.project(x0_hat).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+            total -= torch.where(real, mse - logp, 0.0).sum(1)
+        scores.append(total / num_samples)
+    return scores

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from mdc.config import DEFAULT_CONFIG, load_config
+from mdc.registry import OBJECTIVES
 from pipelines.console import VERBOSE_OPTION, Settings, console, report_failures, user_errors
 from pipelines.evaluate import eval_app
 from pipelines.scaling import scaling
@@ -28,7 +29,7 @@ def data_shapes(out: str = typer.Option(..., help="output folder or s3://bucket/
                 format: str = typer.Option("webdataset", help="webdataset | parquet"),
                 endpoint_url: Optional[str] = None):
     """The generated compositional shapes dataset (train/, val/, compositionality files)."""
-    from mdc.datasets.shapes import write_shapes_dataset
+    from mdc.data.shapes import write_shapes_dataset
 
     manifest = write_shapes_dataset(out, num=num, seed=seed, format=format, endpoint_url=endpoint_url)
     console.print(manifest)
@@ -39,7 +40,7 @@ def data_tuxpaint(out: str = typer.Option(..., help="output folder or s3://bucke
                   format: str = typer.Option("webdataset", help="webdataset | parquet"),
                   endpoint_url: Optional[str] = None):
     """Debian's tuxpaint-stamps-default (real images with English captions) as shards."""
-    from mdc.datasets.tuxpaint import write_tuxpaint_dataset
+    from mdc.data.tuxpaint import write_tuxpaint_dataset
 
     manifest = write_tuxpaint_dataset(out, format=format, endpoint_url=endpoint_url)
     console.print(manifest)
@@ -52,7 +53,7 @@ def data_img2dataset(out: str = typer.Option(..., help="output folder (local)"),
                      image_size: int = typer.Option(64, min=8, help="shorter side of the JPEGs"),
                      damaged: bool = typer.Option(False, help="also break it as real downloads break")):
     """A folder laid out exactly as img2dataset writes it (side files, failed rows), from generated images."""
-    from mdc.datasets.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
+    from mdc.data.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
 
     with user_errors(ValueError):
         stats = write_img2dataset_folder(generated_rows(num, image_size), out, format, samples_per_shard)
@@ -136,7 +137,7 @@ def demo(workdir: Path = typer.Option(Path("mdc-demo"), help="where runs, MLflow
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def compare(ctx: typer.Context,
-            objectives: str = typer.Option("mdc,ar,cappa,cmlm,bert,clip,cdlm", help="comma-separated objectives"),
+            objectives: str = typer.Option(",".join(OBJECTIVES), help="comma-separated objectives"),
             workdir: Path = typer.Option(Path("mdc-compare"), help="runs, MLflow, the shapes data and the tables"),
             data: Optional[str] = typer.Option(None, help="shapes-like shards (default: generate shapes in WORKDIR)"),
             config: Path = typer.Option(DEFAULT_CONFIG, help="base YAML run config (its data paths are replaced)"),
@@ -152,7 +153,7 @@ def compare(ctx: typer.Context,
     names = [o.strip() for o in objectives.split(",") if o.strip()]
     overrides = [*ctx.args, *([f"train.steps={steps}"] if steps else [])]
     with user_errors():
-        from mdc.storage import check_reachable, join
+        from mdc.data.storage import check_reachable, join
         from pipelines.compare import run_compare
         from pipelines.runtime import absolute_uri, ray_session
 

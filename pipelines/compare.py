@@ -26,9 +26,10 @@ from rich.console import Console
 from rich.table import Table
 
 from mdc.config import RunConfig, load_config
-from mdc.storage import join
+from mdc.registry import OBJECTIVES
+from mdc.data.storage import join
 
-DEFAULT_OBJECTIVES = ("mdc", "ar", "cappa", "cmlm", "bert", "clip", "cdlm")
+DEFAULT_OBJECTIVES = tuple(OBJECTIVES)
 COLUMNS = {  # field -> (column title, format)
     "objective": ("objective", "{}"), "probe_accuracy": ("probe acc.", "{:.3f}"),
     "compositionality_accuracy": ("compositionality acc.", "{:.3f}"),
@@ -68,8 +69,8 @@ def evaluate_checkpoint(checkpoint: str, data_uri: str, endpoint_url: str | None
     `compositionality_blind_accuracy` (macro), `text_biased`, and per subset
     `compositionality/BENCHMARK/SUBSET` and `blind/BENCHMARK/SUBSET`; `captions/N{n}/{bleu4,cider,
     captions_per_s}` for each length the model can write (CLIP writes none)."""
-    from mdc import shards
-    from mdc.checkpoint import load_pretrained
+    from mdc.data import shards
+    from mdc.train.checkpoint import load_pretrained
     from mdc.evaluation import captioning, compositionality as comp, probe as linear_probe
 
     model, cfg = load_pretrained(checkpoint, endpoint_url=endpoint_url)
@@ -90,7 +91,7 @@ def evaluate_checkpoint(checkpoint: str, data_uri: str, endpoint_url: str | None
                    text_biased=", ".join(result["text_biased"]) or "none")
         out.update({f"compositionality/{subset}": acc for subset, acc in result["accuracy"].items()})
         out.update({f"blind/{subset}": acc for subset, acc in result["blind_accuracy"].items()})
-    if objective != "clip" and caption_lengths:
+    if OBJECTIVES[objective].write and caption_lengths:
         images = captioning.group_by_image(shards.read_shards(join(data_uri, "val"), endpoint_url), limit)
         result = captioning.evaluate_captions(model, objective, images, lengths=tuple(caption_lengths))
         out.update({f"captions/N{n}/{k}": v for n, m in result["lengths"].items() for k, v in m.items()})
@@ -129,8 +130,8 @@ def run_compare(objectives: Sequence[str], workdir: Path, data_uri: str | None =
     `config` (default: none, the built-in defaults) and `overrides` make the shared budget; runs,
     MLflow and the tables go under `workdir`. Without `data_uri`, `num_images` shapes are generated
     into workdir/shapes (once)."""
-    from mdc import shards
-    from mdc.datasets.shapes import write_shapes_dataset
+    from mdc.data import shards
+    from mdc.data.shapes import write_shapes_dataset
     from pipelines import tracking
     from pipelines.evaluate import log_evaluation
     from pipelines.train import run_training

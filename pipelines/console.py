@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.text import Text
 
 from mdc.config import ConfigError
-from mdc.storage import StorageError
+from mdc.data.storage import StorageError
 
 console = Console(soft_wrap=True)
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 from rich.table import Table
 
-from mdc import shards
-from mdc.checkpoint import load_pretrained
+from mdc.data import shards
+from mdc.train.checkpoint import load_pretrained
 from mdc.config import load_config
-from mdc.datasets.shapes import write_shapes_dataset
+from mdc.registry import OBJECTIVES
+from mdc.data.shapes import write_shapes_dataset
 from mdc.evaluation import captioning
 from pipelines import reports
 from pipelines.console import console
@@ -37,7 +38,7 @@ def caption_heldout(checkpoint_dir: str, data_uri: str, endpoint_url: str | None
     (images, None) for a contrastive model, which writes no captions."""
     model, cfg = load_pretrained(checkpoint_dir)
     images = captioning.group_by_image(shards.read_shards(data_uri, endpoint_url), n)
-    if cfg.objective.name == "clip":
+    if OBJECTIVES[cfg.objective.name].write is None:
         return images, None
     return images, captioning.evaluate_captions(model, cfg.objective.name, images, CAPTION_LENGTHS)
 
@@ -48,7 +49,7 @@ def evaluate_demo_model(checkpoint_dir: str, data_uri: str, endpoint_url: str, w
     import pyarrow.fs as pafs
     from sklearn.exceptions import ConvergenceWarning
 
-    from mdc import storage
+    from mdc.data import storage
     from mdc.evaluation.compositionality import evaluate_compositionality, get_scorer, read_benchmark
     from mdc.evaluation.probe import probe_shapes, random_init
 

@@ -71,7 +71,7 @@ def extract_features_ray(make_model: Callable, sources, batch_size: int = 64,
 
 def checkpoint_model(directory: str, device: str = "cpu"):
     """A picklable model factory for inference actors."""
-    from mdc.checkpoint import load_pretrained
+    from mdc.train.checkpoint import load_pretrained
 
     return load_pretrained(directory, device)[0]
 
@@ -156,7 +156,7 @@ def user_errors():
 
 def load(checkpoint: str, endpoint_url: str | None, device: str):
     """(model, RunConfig, local checkpoint directory)."""
-    from mdc import checkpoint as ckpt
+    from mdc.train import checkpoint as ckpt
 
     directory = ckpt.fetch_checkpoint(checkpoint, endpoint_url)
     model, cfg = ckpt.load_pretrained(directory, device)
@@ -185,7 +185,7 @@ def probe_command(
         out: Path = typer.Option(Path("eval_probe.json")),
         mlflow_uri: str = MLFLOW_URI, run_id: Optional[str] = RUN_ID):
     """Linear probe: frozen pooled features, logistic regression with C chosen on held-out train."""
-    from mdc import checkpoint as ckpt
+    from mdc.train import checkpoint as ckpt
     from mdc.evaluation import probe
 
     with user_errors():
@@ -308,7 +308,7 @@ def captions_command(
         html: Optional[Path] = typer.Option(None, help="captions page (default: report.html beside --out)"),
         mlflow_uri: str = MLFLOW_URI, run_id: Optional[str] = RUN_ID):
     """Write captions and score them: BLEU-4, CIDEr-D, captions per second, and an HTML page."""
-    from mdc import shards
+    from mdc.data import shards
     from mdc.evaluation import captioning
 
     with user_errors():
@@ -347,7 +347,7 @@ def infill_command(
         out: Path = typer.Option(Path("eval_infill.json")),
         mlflow_uri: str = MLFLOW_URI, run_id: Optional[str] = RUN_ID):
     """Caption infilling (DDCap): mask a span of a reference caption, fill it, score BLEU-4 / CIDEr-D."""
-    from mdc import shards
+    from mdc.data import shards
     from mdc.evaluation import captioning, infilling
 
     with user_errors():

@@ -32,10 +32,10 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import ray
 
-from mdc import shards
+from mdc.data import shards
 from mdc.config import ConfigError
-from mdc.images import preprocess_batch
-from mdc.tokenizer import CaptionTokenizer
+from mdc.data.images import preprocess_batch
+from mdc.data.tokenizer import CaptionTokenizer
 
 DECODE_BATCH = 64
 
@@ -204,7 +204,7 @@ def build_dataset(uri: str, image_size: int, max_length: int, counter=None, endp
                   subset_fraction: float | None = None, subset_salt: str = "subset",
                   format: shards.ShardFormat = "auto", skips=None, files: list[str] | None = None) -> ray.data.Dataset:
     """A streaming dataset of {"image": (3,S,S) uint8, "tokens": (L,) int64} from shards at `uri`;
-    the consumer normalises the pixels (`mdc.images.normalize`), where it is cheap (on the GPU).
+    the consumer normalises the pixels (`mdc.data.images.normalize`), where it is cheap (on the GPU).
     Every row also has "shard" (its index in the sorted shard list), "row" (its place in the
     shard) and "shard_rows" (the shard's row count on its last batch's rows, else 0).
 

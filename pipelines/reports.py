@@ -76,7 +76,7 @@ def captions_html(images, result: dict, note: str = "") -> str:
     """Each captioned image (inline) beside its generated captions (per N') and its references, after
     the scores per N'. `images` are mdc.evaluation.captioning.CaptionImage, `result` what
     captioning.evaluate_captions returned for them."""
-    from mdc.shards import image_extension
+    from mdc.data.shards import image_extension
 
     scores = [{"N'": n, "BLEU-4": m["bleu4"], "CIDEr-D": m["cider"], "captions/s": m["captions_per_s"]}
               for n, m in result["lengths"].items()]
@@ -126,14 +126,15 @@ def results_html(results: dict) -> str:
 def training_report(cfg, summary, directory: Path, num_images: int = 8) -> list[Path]:
     """curves.png and captions.html of a finished training run (captions of the first held-out
     images at N' = 10, or the model's maximum when shorter), written to `directory`."""
-    from mdc import shards
-    from mdc.checkpoint import load_pretrained
+    from mdc.data import shards
+    from mdc.train.checkpoint import load_pretrained
     from mdc.evaluation import captioning
+    from mdc.registry import OBJECTIVES
     from pipelines import tracking
 
     history = metric_history(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id)
     paths = [curves_png(history, directory / "curves.png", f"{cfg.name}: {cfg.objective.name}, {cfg.train.steps} steps")]
-    if cfg.data.val_uri and cfg.objective.name != "clip":
+    if cfg.data.val_uri and OBJECTIVES[cfg.objective.name].write:
         model, _ = load_pretrained(summary.checkpoint_uri, endpoint_url=cfg.data.endpoint_url)
         length = min(10, cfg.data.max_length - 1)
         images = captioning.group_by_image(shards.read_shards(cfg.data.val_uri, cfg.data.endpoint_url), num_images)

@@ -17,7 +17,7 @@ from pathlib import Path
 import ray
 import typer
 
-from mdc import storage
+from mdc.data import storage
 from mdc.config import RunConfig
 from pipelines.console import RunFailed, UserError, console, first_line_of, user_error_types
 

@@ -28,7 +28,7 @@ import traceback
 import pyarrow.fs as pafs
 import typer
 
-from mdc import shards, storage
+from mdc.data import shards, storage
 from mdc.config import DEFAULT_CONFIG, RunConfig, build_config, load_config
 from pipelines.console import (VERBOSE_OPTION, Settings, UserError, console, first_line_of, report_failures,
                                user_errors)
@@ -134,7 +134,7 @@ class Probe:
                                    "labelled dataset written by `mdc data shapes|tuxpaint`")
 
     def __call__(self, checkpoint_uri: str) -> float:
-        from mdc.checkpoint import load_pretrained
+        from mdc.train.checkpoint import load_pretrained
         from mdc.evaluation import probe, readers
 
         if self.splits is None:

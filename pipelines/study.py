@@ -32,7 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 from mdc.config import ConfigError, DEFAULT_CONFIG, RunConfig, load_config
-from mdc.storage import join
+from mdc.registry import OBJECTIVES
+from mdc.data.storage import join
 
 console = Console(soft_wrap=True)
 
@@ -220,8 +221,8 @@ def run_configs(plan: Plan, plan_path: Path, out: Path) -> dict[tuple[str, int],
             if match and int(match.group(1)) > cfg.data.max_length:
                 raise StudyError(f"claims.{i}.metric: arm {arm!r} cannot write {match.group(1)}-token captions "
                                  f"(data.max_length {cfg.data.max_length})")
-            if match and cfg.objective.name == "clip":
-                raise StudyError(f"claims.{i}.metric: arm {arm!r} is CLIP, which writes no captions")
+            if match and OBJECTIVES[cfg.objective.name].write is None:
+                raise StudyError(f"claims.{i}.metric: arm {arm!r} is {cfg.objective.name!r}, which writes no captions")
     return configs
 
 
@@ -232,7 +233,7 @@ def _yaml_scalar(value) -> str:
 
 def prepare_data(plan: Plan, out: Path) -> None:
     """Generate the plan's shapes / Tux Paint datasets under OUT/data, once."""
-    from mdc import shards
+    from mdc.data import shards
 
     for name, spec in plan.datasets.items():
         root = out / "data" / name
@@ -240,18 +241,18 @@ def prepare_data(plan: Plan, out: Path) -> None:
             continue
         console.print(f"writing dataset {name} ({spec.kind}) to {root}")
         if spec.kind == "shapes":
-            from mdc.datasets.shapes import write_shapes_dataset
+            from mdc.data.shapes import write_shapes_dataset
 
             write_shapes_dataset(str(root), num=spec.num, seed=0, max_objects=spec.max_objects)
         else:
-            from mdc.datasets.tuxpaint import write_tuxpaint_dataset
+            from mdc.data.tuxpaint import write_tuxpaint_dataset
 
             write_tuxpaint_dataset(str(root))
 
 
 def check_data(plan: Plan) -> None:
     """Fail before anything runs if a Tux Paint dataset has no stamps to read."""
-    from mdc.datasets import tuxpaint
+    from mdc.data import tuxpaint
 
     for name, spec in plan.datasets.items():
         if spec.kind == "tuxpaint" and not Path(tuxpaint.DEFAULT_ROOT).is_dir():

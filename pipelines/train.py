@@ -4,7 +4,7 @@
 launches a `TorchTrainer`. `train_loop` runs on every worker: build and shard the model, restore the
 newest complete checkpoint in the run's storage if there is one (a restarted worker group or a
 relaunched run with the same name) and go on with its epoch's data where it left it
-(pipelines/position.py), train, save DCP checkpoints there (mdc.checkpoint) with the data position
+(pipelines/position.py), train, save DCP checkpoints there (mdc.train.checkpoint) with the data position
 and report metrics through `ray.train.report`. Checkpoints are not handed to Ray Train: it records one only
 once every rank has reported it, so a group that died in between would lose a checkpoint that is
 already written; the completion marker in storage is the one record of what can be resumed.
@@ -28,15 +28,16 @@ import torch
 import torch.distributed as dist
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from mdc import checkpoint as ckpt
-from mdc import shards, storage
+from mdc.train import checkpoint as ckpt
+from mdc.data import shards, storage
 from mdc.config import ObjectiveConfig, RunConfig, dump_config
-from mdc.images import normalize
-from mdc.model import PRESETS, build_model
-from mdc.objectives import T_MIN, compute_loss
-from mdc.parallel import prepare_model
-from mdc.tokenizer import CaptionTokenizer
-from mdc.training import EMA, build_optimizer, build_scheduler, train_step
+from mdc.data.images import normalize
+from mdc import registry
+from mdc.models.captioner import PRESETS
+from mdc.registry import build_model, compute_loss
+from mdc.train.fsdp import prepare_model
+from mdc.data.tokenizer import CaptionTokenizer
+from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step
 from pipelines import progress, reports, tracking
 from pipelines.console import console
 from pipelines.ingest import (BatchFeed, DataStallError, ShardSkips, SkipCounter, ask, build_dataset,
@@ -89,15 +90,12 @@ def _step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
 
 
 def validation_objective(objective: ObjectiveConfig) -> ObjectiveConfig:
-    """One yardstick across a sweep: for every masking objective (whatever its training schedule or
-    ratio) the masked-diffusion ELBO over t ∈ [T_MIN, 1] per non-pad token, estimated without bias
-    (mdc/objectives.py); exact NLL for AR ones; the baselines outside the family (clip, cdlm) are
-    validated on their own loss."""
-    if objective.name in ("ar", "cappa"):
-        return ObjectiveConfig(name="ar")
-    if objective.name in ("clip", "cdlm"):
-        return objective
-    return ObjectiveConfig(name="mdc", omega_l=T_MIN, omega_u=1.0, antithetic=True)
+    """One yardstick across a sweep, the registry's `validation` of the objective: for every masking
+    objective (whatever its training schedule or ratio) the masked-diffusion ELBO over t ∈ [T_MIN, 1]
+    per non-pad token, estimated without bias (mdc/objectives/masked.py); exact NLL for AR ones; the
+    baselines outside the family (clip, cdlm) are validated on their own loss."""
+    fields = registry.objective(objective.name).validation
+    return objective if fields is None else ObjectiveConfig(**fields)
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-from mdc.checkpoint import load_pretrained
+from mdc.train.checkpoint import load_pretrained
 from mdc.config import RunConfig, apply_overrides, build_config
 from mdc.evaluation.probe import probe_shapes
 from pipelines import progress, tracking

@@ -62,7 +62,7 @@ def ray_cluster(s3_server):
 @pytest.fixture(scope="session")
 def shapes_dir(tmp_path_factory):
     """A small shapes dataset on local disk (train/, val/, compositionality/)."""
-    from mdc.datasets.shapes import write_shapes_dataset
+    from mdc.data.shapes import write_shapes_dataset
 
     root = tmp_path_factory.mktemp("shapes")
     write_shapes_dataset(str(root), num=240, seed=0, samples_per_shard=60)

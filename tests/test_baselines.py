@@ -9,17 +9,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from mdc import ddcap
-from mdc.checkpoint import load_pretrained
+from mdc.train.checkpoint import load_pretrained
 from mdc.config import ConfigError, ObjectiveConfig, OptimConfig, load_config
-from mdc.continuous_diffusion import alpha_bar, continuous_diffusion_loss, sample_continuous
+from mdc.models.cdlm import alpha_bar
+from mdc.objectives.cdlm import continuous_diffusion_loss
 from mdc.evaluation import compositionality as comp
-from mdc.evaluation.captioning import CaptionImage, generate_captions
+from mdc.evaluation.captioning import CaptionImage
 from mdc.evaluation.infilling import evaluate_infilling, mask_span
-from mdc.model import build_model
-from mdc.objectives import compute_loss
-from mdc.sampling import sample_masked
-from mdc.tokenizer import CaptionTokenizer
-from mdc.training import build_optimizer, build_scheduler, train_step
+from mdc.registry import build_model, compute_loss, write_captions
+from mdc.sampling import sample_continuous, sample_masked
+from mdc.data.tokenizer import CaptionTokenizer
+from mdc.train.step import build_optimizer, build_scheduler, train_step
 
 MASK, PAD, BOS, EOS = 49408, 49409, 49406, 49407
 
@@ -314,7 +314,7 @@ def test_eval_infill_command_writes_json(shapes_dir, tmp_path):
 
     from typer.testing import CliRunner
 
-    from mdc.checkpoint import export_weights
+    from mdc.train.checkpoint import export_weights
     from mdc.config import dump_config
     from pipelines.cli import app
 
@@ -333,7 +333,7 @@ def test_eval_infill_command_writes_json(shapes_dir, tmp_path):
 
 def samples_and_scores(model, objective):
     pixels = images(2)
-    tokens = generate_captions(model, pixels, objective, length=6)
+    tokens = write_captions(model, pixels, objective, length=6)
     assert tokens.shape == (2, 6) and not (tokens == MASK).any()
     _, score = comp.get_scorer("auto", objective)
     scores = score(model, pixels, [["a small red circle"] * 2, ["a large blue square"] * 2], samples=2,

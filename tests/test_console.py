@@ -115,7 +115,7 @@ def test_every_run_failed_exits_1_with_the_first_error(capsys):
 def test_a_ray_task_errors_line_is_the_original_exceptions():
     from ray.exceptions import RayTaskError
 
-    from mdc.storage import StorageError
+    from mdc.data.storage import StorageError
     from pipelines.console import first_line_of
 
     cause = StorageError("data.val_uri: does not exist: /gone")

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mdc import shards
-from mdc.datasets import shapes, tuxpaint
-from mdc.images import decode_image
+from mdc.data import shards
+from mdc.data import shapes, tuxpaint
+from mdc.data.images import decode_image
 
 OBJECT = r"a (small|large) (red|green|blue|yellow) (circle|square|triangle)"
 CAPTION = re.compile(rf"^{OBJECT}(?: (to the left of|above) {OBJECT})?$")

@@ -11,7 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
-from mdc.checkpoint import CONFIG, WEIGHTS, export_weights, load_pretrained
+from mdc.train.checkpoint import CONFIG, WEIGHTS, export_weights, load_pretrained
 from mdc.config import RunConfig, dump_config
 from mdc.evaluation import probe, readers
 from pipelines import tracking
@@ -120,7 +120,7 @@ def test_load_pretrained_from_a_bucket_downloads_once(s3_server, checkpoint, tmp
 
 
 def test_shapes_compositionality_from_a_bucket(s3_server, checkpoint):
-    from mdc.datasets.shapes import write_shapes_dataset
+    from mdc.data.shapes import write_shapes_dataset
     from mdc.evaluation.compositionality import evaluate_shapes
 
     bucket = s3_server.make_bucket("eval-shapes")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mdc import shards
+from mdc.data import shards
 from mdc.evaluation import captioning, compositionality as comp, probe, readers, zeroshot
 from mdc.evaluation.readers import DatasetFormatError
 from pipelines import reports
@@ -321,7 +321,7 @@ def test_feature_cache_computes_once(tmp_path):
 
 def test_scorer_registry_picks_by_objective_and_takes_new_scorers():
     assert comp.get_scorer("auto", "cappa")[0] == "ar" and comp.get_scorer("auto", "bert")[0] == "montecarlo"
-    assert comp.get_scorer("auto", "clip")[0] == "clip"  # CLIP plugged into the hook (mdc/clip_baseline.py)
+    assert comp.get_scorer("auto", "clip")[0] == "clip"  # CLIP plugged into the hook (mdc/registry.py)
     with pytest.raises(ValueError, match="unknown scorer 'nope'"):
         comp.get_scorer("nope", "mdc")
 
@@ -441,7 +441,7 @@ trained_model_test = pytest.mark.timeout(900)
 def shapes_data(tmp_path_factory):
     """The demo's dataset on local disk: a tenth held out (val/) for the probe's test split and the
     compositionality pairs."""
-    from mdc.datasets.shapes import write_shapes_dataset
+    from mdc.data.shapes import write_shapes_dataset
     from pipelines.demo import DEMO_IMAGES
 
     root = tmp_path_factory.mktemp("probe-shapes")
@@ -453,10 +453,10 @@ def shapes_data(tmp_path_factory):
 def trained(shapes_data):
     """(trained model, random-init model of the same architecture): the demo recipe on train/ only."""
     from mdc.config import load_config
-    from mdc.images import preprocess_batch
-    from mdc.model import build_model
-    from mdc.tokenizer import CaptionTokenizer
-    from mdc.training import build_optimizer, build_scheduler, train_step
+    from mdc.data.images import preprocess_batch
+    from mdc.registry import build_model
+    from mdc.data.tokenizer import CaptionTokenizer
+    from mdc.train.step import build_optimizer, build_scheduler, train_step
 
     cfg = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml")
     batch_size = cfg.train.batch_size * cfg.train.num_workers

@@ -13,10 +13,10 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 
-from mdc import shards, storage
-from mdc.datasets.img2dataset import (FAILED_TO_DOWNLOAD, FAILED_TO_RESIZE, META_SCHEMA, damage_folder,
+from mdc.data import shards, storage
+from mdc.data.img2dataset import (FAILED_TO_DOWNLOAD, FAILED_TO_RESIZE, META_SCHEMA, damage_folder,
                                       generated_rows, sample_key, write_img2dataset_folder)
-from mdc.images import preprocess_batch
+from mdc.data.images import preprocess_batch
 from pipelines.ingest import BatchFeed, DataStallError, ingest_resources
 from test_shards import tar_of
 

@@ -4,10 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-import mdc.objectives as objectives
+import mdc.objectives.masked as objectives
 from mdc.config import ObjectiveConfig
-from mdc.objectives import (T_MIN, autoregressive_io, autoregressive_loss, compute_loss, mask_tokens,
-                            masked_diffusion_loss, sample_t)
+from mdc.objectives.autoregressive import autoregressive_io, autoregressive_loss
+from mdc.objectives.masked import T_MIN, mask_tokens, masked_diffusion_loss, sample_t
+from mdc.registry import compute_loss
 
 # A toy vocabulary: words 0..3, then the special ids.
 BOS, EOS, MASK, PAD = 4, 5, 6, 7
@@ -315,7 +316,7 @@ def test_compute_loss_dispatches_masked_diffusion(name):
 def test_cappa_parallel_prediction_does_not_see_the_caption_length():
     """big_vision's CapPa: a 3- and a 7-token caption of the same image get the same position-0
     logits in parallel mode (the pad-hiding input this replaced differed by 0.22)."""
-    from mdc.model import Captioner
+    from mdc.models.captioner import Captioner
 
     torch.manual_seed(0)
     model = Captioner("tiny", max_length=8).eval()

@@ -7,11 +7,11 @@ import torch
 from PIL import Image, ImageDraw
 
 from mdc.config import ObjectiveConfig, OptimConfig
-from mdc.model import Captioner
+from mdc.models.captioner import Captioner
 from mdc.sampling import generate_autoregressive, sample_masked
 from mdc.scoring import autoregressive_score, monte_carlo_elbo, pseudo_log_likelihood
-from mdc.tokenizer import CaptionTokenizer
-from mdc.training import EMA, build_optimizer, build_scheduler, train_step, warmup_cosine
+from mdc.data.tokenizer import CaptionTokenizer
+from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step, warmup_cosine
 
 COLOURS = {"red": (230, 25, 25), "blue": (25, 50, 230), "green": (20, 170, 40), "yellow": (240, 220, 20),
            "purple": (140, 30, 180), "orange": (250, 130, 0), "black": (0, 0, 0), "white": (255, 255, 255)}

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from mlflow.tracking import MlflowClient
 
-from mdc import shards
+from mdc.data import shards
 from mdc.config import load_config
 from mdc.evaluation import captioning
 from pipelines import reports, tracking

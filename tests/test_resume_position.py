@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mdc.config import load_config
-from mdc.datasets.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
+from mdc.data.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
 from pipelines import ingest
 from pipelines.ingest import ShardSkipSet, SkipCounts, Subset, read_shards
 from pipelines.position import DataPosition, ShardTally, consumed_shards, fingerprint, resume_point

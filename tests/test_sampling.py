@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mdc.model import Captioner
+from mdc.models.captioner import Captioner
 from mdc.sampling import generate_autoregressive, sample_masked
 
 MASK, PAD, EOS = 49408, 49409, 49407

@@ -8,7 +8,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
-from mdc import shards
+from mdc.data import shards
 from pipelines.cli import app
 from pipelines.ingest import Subset
 from pipelines.scaling import (ScalingError, parse_sizes, read_dataset_manifest, size_label, split_total,

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mdc.model import Captioner
+from mdc.models.captioner import Captioner
 from mdc.scoring import autoregressive_score, monte_carlo_elbo, pseudo_log_likelihood
 
 MASK, PAD, BOS, EOS = 49408, 49409, 49406, 49407

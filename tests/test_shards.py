@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from mdc import shards
-from mdc.images import CLIP_MEAN, CLIP_STD, ImageTransform, decode_image, preprocess_batch
-from mdc.shards import Sample
+from mdc.data import shards
+from mdc.data.images import CLIP_MEAN, CLIP_STD, ImageTransform, decode_image, preprocess_batch
+from mdc.data.shards import Sample
 
 
 def encode(array: np.ndarray, fmt: str, mode: str | None = None) -> bytes:

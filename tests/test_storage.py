@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from mdc import shards, storage
-from mdc.datasets import shapes
-from mdc.shards import Sample
+from mdc.data import shards, storage
+from mdc.data import shapes
+from mdc.data.shards import Sample
 
 PNG = shapes.make_shape(0, seed=0).image
 

@@ -17,7 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
-from mdc.datasets.shapes import write_shapes_dataset
+from mdc.data.shapes import write_shapes_dataset
 from pipelines.cli import app
 from pipelines.submit import Plan, default_submission_id, plan_submission, run_name_of, runtime_env
 

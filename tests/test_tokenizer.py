@@ -3,7 +3,7 @@ import open_clip
 import pytest
 import torch
 
-from mdc.tokenizer import CaptionTokenizer
+from mdc.data.tokenizer import CaptionTokenizer
 
 CAPTIONS = [
     "a small red circle to the left of a large blue square",

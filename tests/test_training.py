@@ -7,12 +7,12 @@ import warnings
 import pytest
 import torch
 
-from mdc.checkpoint import full_weights
+from mdc.train.checkpoint import full_weights
 from mdc.config import ConfigError, ObjectiveConfig, OptimConfig, load_config
-from mdc.model import Captioner
-from mdc.objectives import compute_loss
-from mdc.parallel import apply_fsdp, compile_available, prepare_model
-from mdc.training import EMA, build_optimizer, build_scheduler, train_step
+from mdc.models.captioner import Captioner
+from mdc.registry import compute_loss
+from mdc.train.fsdp import apply_fsdp, compile_available, prepare_model
+from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step
 
 MAX_LENGTH = 8
 

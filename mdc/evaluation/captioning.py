@@ -18,15 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-import torch
 
+from mdc import registry
 from mdc.evaluation.probe import preprocess
-from mdc.sampling import generate_autoregressive, sample_masked
-from mdc.shards import Sample
-from mdc.tokenizer import CaptionTokenizer
+from mdc.data.shards import Sample
+from mdc.data.tokenizer import CaptionTokenizer
 
-AUTOREGRESSIVE = ("ar", "cappa")
-SAMPLER_NAMES = {"ar": "greedy-autoregressive", "cappa": "greedy-autoregressive", "cdlm": "continuous-denoising"}
 
 
 def normalize_caption(text: str) -> str:
@@ -68,22 +65,6 @@ def group_by_image(samples: Iterable[Sample], limit: int | None = None) -> list[
     return list(images.values())
 
 
-@torch.no_grad()
-def generate_captions(model, images: torch.Tensor, objective: str, length: int, sampler: str = "confidence",
-                      steps: int | None = None, guidance_scale: float = 1.0) -> torch.Tensor:
-    """(B, L) caption tokens: greedy decoding for autoregressive models, `steps` (default 5) rounds of
-    continuous denoising for CLIP-Diffusion-LM, else N' = length masked steps."""
-    if objective == "clip":
-        raise ValueError("a CLIP model does not write captions")
-    if objective in AUTOREGRESSIVE:
-        return generate_autoregressive(model, images, max_tokens=length)
-    if objective == "cdlm":
-        from mdc.continuous_diffusion import sample_continuous
-
-        return sample_continuous(model, images, length, steps=steps or 5)
-    return sample_masked(model, images, length=length, strategy=sampler, steps=steps, guidance_scale=guidance_scale)
-
-
 def evaluate_captions(model, objective: str, images: Sequence[CaptionImage], lengths: Sequence[int] = (10, 15, 20),
                       sampler: str = "confidence", steps: int | None = None, batch_size: int = 32,
                       guidance_scale: float = 1.0) -> dict:
@@ -103,14 +84,14 @@ def evaluate_captions(model, objective: str, images: Sequence[CaptionImage], len
         for i in range(0, len(images), batch_size):
             pixels = preprocess([img.image for img in images[i:i + batch_size]], model.image_size).to(device)
             tic = time.perf_counter()
-            tokens = generate_captions(model, pixels, objective, length, sampler, steps, guidance_scale)
+            tokens = registry.write_captions(model, pixels, objective, length, sampler, steps, guidance_scale)
             seconds += time.perf_counter() - tic
             captions += tokenizer.decode(tokens)
         generated[length] = captions
         metrics = caption_metrics(dict(enumerate(captions)), references)
         results[str(length)] = {**metrics, "captions_per_s": len(captions) / max(seconds, 1e-9)}
     return {"lengths": results, "skipped_lengths": [n for n in lengths if n > max_length],
-            "sampler": SAMPLER_NAMES.get(objective, sampler),
+            "sampler": registry.objective(objective).sampler or sampler,
             "num_images": len(images), "captions": [
                 {"key": img.key, "references": img.references,
                  "generated": {str(n): generated[n][i] for n in generated}} for i, img in enumerate(images)]}

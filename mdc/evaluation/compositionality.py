@@ -41,9 +41,11 @@ import numpy as np
 import torch
 
 from mdc.evaluation.readers import DatasetFormatError, load_image
-from mdc.images import ImageTransform
-from mdc.scoring import autoregressive_score, monte_carlo_elbo, pseudo_log_likelihood
-from mdc.tokenizer import CaptionTokenizer
+from mdc.data.images import ImageTransform
+from mdc import registry
+from mdc.scoring import (autoregressive_score, cosine_scores, denoising_scores, monte_carlo_elbo,
+                         pseudo_log_likelihood)
+from mdc.data.tokenizer import CaptionTokenizer
 
 ARO_FILES = {
     "vg_relation": "visual_genome_relation.json",
@@ -206,8 +208,6 @@ def read_benchmark(benchmark: str, root: str | Path, image_dir: str | Path | Non
 
 ScoreFn = Callable[..., torch.Tensor]  # (model, images, texts[k][b], samples, generator) -> (B, K)
 SCORERS: dict[str, ScoreFn] = {}
-AUTO_SCORER = {"ar": "ar", "cappa": "ar", "mdc": "montecarlo", "cmlm": "montecarlo", "bert": "montecarlo",
-               "clip": "clip", "cdlm": "cdlm"}
 
 
 def register_scorer(name: str, extra_terms: int | None = 0):
@@ -224,9 +224,7 @@ def register_scorer(name: str, extra_terms: int | None = 0):
 def get_scorer(name: str, objective: str) -> tuple[str, ScoreFn]:
     """(resolved name, scorer); "auto" picks the scorer of the model's objective (SPEC §5)."""
     if name == "auto":
-        if objective not in AUTO_SCORER:
-            raise ValueError(f"no default scorer for objective {objective!r}")
-        name = AUTO_SCORER[objective]
+        name = registry.objective(objective).scorer
     if name not in SCORERS:
         raise ValueError(f"unknown scorer {name!r}; registered: {sorted(SCORERS)}")
     return name, SCORERS[name]
@@ -261,8 +259,6 @@ def monte_carlo_log_likelihood(model, images, texts, samples=16, generator=None)
 @register_scorer("clip", extra_terms=None)
 def clip_cosine(model, images, texts, samples=None, generator=None) -> torch.Tensor:
     """CLIP: image–caption cosine similarity (no likelihood, but it ranks captions all the same)."""
-    from mdc.clip_baseline import cosine_scores
-
     return cosine_scores(model, images, [caption_tokens(model, t) for t in texts])
 
 
@@ -270,8 +266,6 @@ def clip_cosine(model, images, texts, samples=None, generator=None) -> torch.Ten
 def denoising_score(model, images, texts, samples=16, generator=None) -> torch.Tensor:
     """CLIP-Diffusion-LM: minus the denoising loss of each caption, from `samples` draws of (t, ε)
     shared by all candidates."""
-    from mdc.continuous_diffusion import denoising_scores
-
     candidates = [caption_tokens(model, t) for t in texts]
     return torch.stack(denoising_scores(model, images, candidates, samples, generator), 1)
 
@@ -360,8 +354,8 @@ def evaluate_shapes(model, objective: str, data_uri: str, endpoint_url: str | No
 
     import pyarrow.fs as pafs
 
-    from mdc import storage
-    from mdc.datasets.shapes import COMPOSITIONALITY_DIR
+    from mdc.data import storage
+    from mdc.data.shapes import COMPOSITIONALITY_DIR
 
     name, score = get_scorer(scorer, objective)
     source = storage.join(data_uri, COMPOSITIONALITY_DIR)

@@ -12,11 +12,11 @@ from typing import Sequence
 
 import torch
 
-from mdc.config import MASKED_OBJECTIVES
+from mdc.registry import MASKED_OBJECTIVES
 from mdc.evaluation.captioning import CaptionImage, caption_metrics
 from mdc.evaluation.probe import preprocess
 from mdc.sampling import sample_masked
-from mdc.tokenizer import CaptionTokenizer
+from mdc.data.tokenizer import CaptionTokenizer
 
 
 def mask_span(tokens: torch.Tensor, ratio: float, mask_id: int, pad_id: int,

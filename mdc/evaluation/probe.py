@@ -19,7 +19,7 @@ from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
 
 from mdc.evaluation.readers import ImageSource, Split, load_image, read_split
-from mdc.images import ImageTransform
+from mdc.data.images import ImageTransform
 
 DEFAULT_CS = tuple(np.logspace(-3, 2, 6))  # 1e-3 .. 1e2
 
@@ -70,8 +70,8 @@ def linear_probe(train: Split, test: Split, features: Callable[[Split], np.ndarr
 
 def random_init(cfg, seed: int = 0):
     """The same architecture with fresh random weights: the baseline a probe must beat."""
-    from mdc.model import build_model
-    from mdc.tokenizer import CaptionTokenizer
+    from mdc.registry import build_model
+    from mdc.data.tokenizer import CaptionTokenizer
 
     torch.manual_seed(seed)
     return build_model(cfg, CaptionTokenizer).eval()

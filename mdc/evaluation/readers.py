@@ -24,8 +24,8 @@ from typing import Callable, Sequence, Union
 import numpy as np
 from PIL import Image
 
-from mdc import shards, storage
-from mdc.images import decode_image
+from mdc.data import shards, storage
+from mdc.data.images import decode_image
 
 log = logging.getLogger(__name__)
 

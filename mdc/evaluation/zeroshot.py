@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from mdc.datasets.shapes import COLOURS, SIZES
+from mdc.data.shapes import COLOURS, SIZES
 from mdc.evaluation.compositionality import ScoreFn
 from mdc.evaluation.probe import preprocess
 from mdc.evaluation.readers import Split

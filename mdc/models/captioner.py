@@ -254,30 +254,3 @@ class Captioner(nn.Module):
         if return_length:
             return logits, self.length_head(features.mean(dim=1))
         return logits
-
-
-def build_model(cfg, tokenizer) -> nn.Module:
-    """The model of a RunConfig (from its model/data/objective sections and the tokenizer's special
-    ids): a Captioner; for `cdlm` its continuous-diffusion variant; for `clip` a contrastive dual encoder
-    around the same ViT."""
-    if cfg.objective.name == "clip":
-        from mdc.clip_baseline import ClipModel
-
-        return ClipModel(preset=cfg.model.preset, max_length=cfg.data.max_length, image_size=cfg.model.image_size,
-                         text_layers=cfg.model.decoder_layers, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                         pad_id=tokenizer.pad_id, encoder_pos_embed=cfg.model.encoder_pos_embed)
-    cls = Captioner
-    if cfg.objective.name == "cdlm":
-        from mdc.continuous_diffusion import DiffusionLMCaptioner
-
-        cls = DiffusionLMCaptioner
-    return cls(
-        preset=cfg.model.preset, vocab_size=tokenizer.vocab_size, mask_id=tokenizer.mask_id,
-        pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-        max_length=cfg.data.max_length,
-        image_size=cfg.model.image_size, decoder_layers=cfg.model.decoder_layers,
-        time_conditioning=cfg.model.time_conditioning,
-        concentrated_attention=cfg.model.concentrated_attention,
-        predict_length=cfg.model.predict_length, null_image=cfg.objective.image_free_prob > 0,
-        encoder_pos_embed=cfg.model.encoder_pos_embed,
-    )

@@ -1,8 +1,7 @@
-"""The objective family in one place (SPEC §3): MDC, its "no t" ablation CMLM, image-conditioned
-BERT, autoregressive captioning (Cap) and CapPa.
+"""The masked objectives (SPEC §3): MDC, its "no t" ablation CMLM and image-conditioned BERT.
 
 `tokens` everywhere is a (B, L) tensor of caption tokens padded with `pad_id` on the right (no BOS/
-EOS: the autoregressive objectives add them). Pad positions are never masked, never predicted and
+EOS: the autoregressive objectives, mdc/objectives/autoregressive.py, add them). Pad positions are never masked, never predicted and
 never counted.
 
 MDC with the linear schedule α_t = 1 − t: a token is masked with probability t, and the MDLM weight
@@ -84,47 +83,3 @@ def masked_diffusion_loss(model, images, tokens, kind: str, omega_l=0.5, omega_u
     if "image_free" in ddcap_options:
         metrics["image_free_fraction"] = ddcap_options["image_free"].float().mean()
     return loss, metrics
-
-
-def autoregressive_io(tokens: torch.Tensor, bos_id: int, eos_id: int, pad_id: int):
-    """Teacher forcing: inputs [BOS, c_1..c_n, pad..] → targets [c_1..c_n, EOS, pad..]; (B, L+1)."""
-    b = tokens.shape[0]
-    pad_col = torch.full((b, 1), pad_id, dtype=tokens.dtype, device=tokens.device)
-    inputs = torch.cat([torch.full_like(pad_col, bos_id), tokens], dim=1)
-    targets = torch.cat([tokens, pad_col], dim=1)
-    lengths = (tokens != pad_id).sum(dim=1)
-    targets[torch.arange(b, device=tokens.device), lengths] = eos_id
-    return inputs, targets
-
-
-def autoregressive_loss(model, images, tokens, parallel_prob: float = 0.0, generator=None):
-    """Cap (parallel_prob = 0) and CapPa: per example, with probability `parallel_prob`, the input
-    is [MASK] at every position, pads included, and attention is bidirectional (parallel prediction,
-    as big_vision's CapPa): with no pad to hide, the input does not reveal the caption's length. The
-    loss counts the caption tokens and EOS either way."""
-    inputs, targets = autoregressive_io(tokens, model.bos_id, model.eos_id, model.pad_id)
-    parallel = torch.rand(tokens.shape[0], generator=generator, device=tokens.device) < parallel_prob
-    real = targets != model.pad_id
-    inputs = torch.where(parallel[:, None], model.mask_id, inputs)
-    logits = model(images, inputs, causal=~parallel, where=real)
-    loss = F.cross_entropy(logits, targets[real])
-    return loss, {"parallel_fraction": parallel.float().mean()}
-
-
-def compute_loss(model, images, tokens, objective, generator=None):
-    """Dispatch on an ObjectiveConfig; returns (loss, metrics). The baselines outside the masked /
-    autoregressive family live in their own modules: CLIP and CLIP-Diffusion-LM (`cdlm`)."""
-    if objective.name in ("mdc", "cmlm", "bert"):
-        return masked_diffusion_loss(model, images, tokens, objective.name, objective.omega_l,
-                                     objective.omega_u, objective.antithetic, objective.mask_ratio,
-                                     generator, objective.image_free_prob)
-    if objective.name == "clip":
-        from mdc.clip_baseline import clip_loss
-
-        return clip_loss(model, images, tokens)
-    if objective.name == "cdlm":
-        from mdc.continuous_diffusion import continuous_diffusion_loss
-
-        return continuous_diffusion_loss(model, images, tokens, generator)
-    parallel = objective.parallel_prob if objective.name == "cappa" else 0.0
-    return autoregressive_loss(model, images, tokens, parallel, generator)

@@ -20,7 +20,7 @@ from typing import BinaryIO, Iterable, Iterator, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mdc import storage
+from mdc.data import storage
 
 log = logging.getLogger(__name__)
 

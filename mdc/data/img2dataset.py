@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from mdc.datasets.shapes import make_shape
+from mdc.data.shapes import make_shape
 
 SHARD_NAME_DIGITS = 5  # img2dataset's default oom_shard_count
 SUCCESS, FAILED_TO_DOWNLOAD, FAILED_TO_RESIZE = "success", "failed_to_download", "failed_to_resize"

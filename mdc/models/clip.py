@@ -6,12 +6,12 @@ different objectives.
   linear projection into the joint space.
 - Text: open_clip's causal `TextTransformer` over [BOS, caption, EOS, 0...], pooled at EOS by CLIP's
   argmax-id rule (EOS has the highest id of CLIP's 49,408), as wide and deep as the captioner's decoder.
-- Loss: open_clip's `ClipLoss` (symmetric cross-entropy, learned temperature) over the *local*
+- Loss (mdc/objectives/clip.py): open_clip's `ClipLoss` (symmetric cross-entropy, learned temperature) over the *local*
   batch: under FSDP each rank contrasts its own batch only, fewer negatives than CLIP's global
   batch, which is fine for a baseline (`ClipLoss(gather_with_grad=True, rank=, world_size=)` would
   gather the features across ranks).
 
-The text blocks are exposed as `blocks` so `mdc.parallel.apply_fsdp` shards them like decoder blocks.
+Captions are scored by cosine similarity (`mdc.scoring.cosine_scores`). The text blocks are exposed as `blocks` so `mdc.train.fsdp.apply_fsdp` shards them like decoder blocks.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from open_clip.loss import ClipLoss
 from open_clip.transformer import TextTransformer
 from torch import nn
 
-from mdc.model import PRESETS, create_encoder, num_heads
+from mdc.models.captioner import PRESETS, create_encoder, num_heads
 
 MAX_LOGIT_SCALE = 100.0  # CLIP keeps the temperature's inverse at most 100
 
@@ -85,20 +84,3 @@ class ClipModel(nn.Module):
     def forward(self, images, tokens):
         """(image embeddings, text embeddings, logit scale): the inputs of ClipLoss."""
         return self.image_embedding(images), self.text_embedding(tokens), self.logit_scale.exp()
-
-
-def clip_loss(model, images, tokens):
-    """(loss, metrics) of the contrastive objective over the local batch. The logit scale is
-    clamped first: every forward sees it clamped after the previous step, as in open_clip."""
-    model.clamp_logit_scale_()
-    image, text, scale = model(images, tokens)
-    loss = ClipLoss()(image, text, scale)
-    hits = (image @ text.T).argmax(dim=1) == torch.arange(len(image), device=image.device)
-    return loss, {"contrastive_accuracy": hits.float().mean(), "logit_scale": scale.detach()}
-
-
-@torch.no_grad()
-def cosine_scores(model, images: torch.Tensor, candidates: list[torch.Tensor]) -> torch.Tensor:
-    """(B, K) image–caption cosine similarity for K candidate token tensors (B, L) each."""
-    image = model.image_embedding(images)
-    return torch.stack([(image * model.text_embedding(tokens)).sum(-1) for tokens in candidates], dim=1)

@@ -16,8 +16,8 @@ from typing import Iterator, Literal
 
 from PIL import Image
 
-from mdc import shards
-from mdc.images import decode_image
+from mdc.data import shards
+from mdc.data.images import decode_image
 
 try:
     import cairosvg

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from mdc.objectives import compute_loss
+from mdc.registry import compute_loss
 
 
 def build_optimizer(model: nn.Module, optim) -> torch.optim.AdamW:

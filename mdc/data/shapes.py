@@ -19,7 +19,7 @@ from typing import Literal
 
 from PIL import Image, ImageDraw
 
-from mdc import shards, storage
+from mdc.data import shards, storage
 
 CLASS_NAMES = ["circle", "square", "triangle"]  # probe label = shape of the first-mentioned object
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30)}

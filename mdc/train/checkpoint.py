@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from mdc import storage
+from mdc.data import storage
 
 TRAINER_STATE = "trainer_state.json"
 WEIGHTS = "model.safetensors"
@@ -281,8 +281,8 @@ def load_pretrained(directory: str | Path, device: str = "cpu", endpoint_url: st
                     cache_dir: str | Path | None = None):
     """(model in eval mode, RunConfig) from an exported checkpoint directory (local or s3://)."""
     from mdc.config import load_config
-    from mdc.model import build_model
-    from mdc.tokenizer import CaptionTokenizer
+    from mdc.registry import build_model
+    from mdc.data.tokenizer import CaptionTokenizer
 
     directory = fetch_checkpoint(directory, endpoint_url, cache_dir)
     for name in (WEIGHTS, CONFIG):

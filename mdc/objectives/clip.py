@@ -1,0 +1,17 @@
+"""The contrastive objective of the CLIP baseline (SPEC §3): open_clip's `ClipLoss` (symmetric
+cross-entropy, learned temperature) over the local batch of a `mdc.models.clip.ClipModel`."""
+
+from __future__ import annotations
+
+import torch
+from open_clip.loss import ClipLoss
+
+
+def clip_loss(model, images, tokens):
+    """(loss, metrics) of the contrastive objective over the local batch. The logit scale is
+    clamped first: every forward sees it clamped after the previous step, as in open_clip."""
+    model.clamp_logit_scale_()
+    image, text, scale = model(images, tokens)
+    loss = ClipLoss()(image, text, scale)
+    hits = (image @ text.T).argmax(dim=1) == torch.arange(len(image), device=image.device)
+    return loss, {"contrastive_accuracy": hits.float().mean(), "logit_scale": scale.detach()}
