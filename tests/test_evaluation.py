@@ -44,15 +44,15 @@ def write_pickle(path: Path, obj) -> None:
     path.write_bytes(pickle.dumps(obj, protocol=2))
 
 
-def test_cifar10_reads_the_python_batches(tmp_path):
+def test_cifar10_reads_the_python_batches_and_names_a_missing_one(tmp_path):
+    # str keys and names: what torchvision's unpickling (encoding="latin1") makes of the published files
     base = tmp_path / "cifar-10-batches-py"
-    names = [b"airplane", b"automobile", b"bird"]
-    write_pickle(base / "batches.meta", {b"label_names": names, b"num_cases_per_batch": 2})
+    write_pickle(base / "batches.meta", {"label_names": ["airplane", "automobile", "bird"], "num_cases_per_batch": 2})
     for i in range(1, 6):
-        write_pickle(base / f"data_batch_{i}", {b"data": cifar_pixels(2, i), b"labels": [i % 3, (i + 1) % 3],
-                                               b"batch_label": b"training batch", b"filenames": [b"a", b"b"]})
+        write_pickle(base / f"data_batch_{i}", {"data": cifar_pixels(2, i), "labels": [i % 3, (i + 1) % 3],
+                                               "batch_label": "training batch", "filenames": ["a", "b"]})
     test_data = cifar_pixels(3, 0)
-    write_pickle(base / "test_batch", {b"data": test_data, b"labels": [2, 1, 0]})
+    write_pickle(base / "test_batch", {"data": test_data, "labels": [2, 1, 0]})
 
     train = readers.read_split("cifar10", str(tmp_path), "train")
     test = readers.read_split("cifar10", str(base), "test")  # the folder itself works too
@@ -62,13 +62,17 @@ def test_cifar10_reads_the_python_batches(tmp_path):
     image = np.asarray(readers.load_image(test.sources[0]))
     assert image.shape == (32, 32, 3)
     assert image[0, 1].tolist() == [test_data[0, 1], test_data[0, 1024 + 1], test_data[0, 2048 + 1]]
+    # torchvision says only "Dataset not found or corrupted"; the reader names the file
+    (base / "data_batch_3").unlink()
+    with pytest.raises(DatasetFormatError, match=r"batches-py: data_batch_3 not found \(expected data_batch_1, "):
+        readers.read_split("cifar10", str(tmp_path), "test")
 
 
 def test_cifar100_uses_fine_labels_and_names_a_missing_field(tmp_path):
     base = tmp_path / "cifar-100-python"
-    write_pickle(base / "meta", {b"fine_label_names": [b"apple", b"bear"], b"coarse_label_names": [b"x"]})
-    write_pickle(base / "train", {b"data": cifar_pixels(4, 1), b"fine_labels": [0, 1, 1, 0], b"coarse_labels": [0] * 4})
-    write_pickle(base / "test", {b"data": cifar_pixels(2, 2), b"coarse_labels": [0, 0]})
+    write_pickle(base / "meta", {"fine_label_names": ["apple", "bear"], "coarse_label_names": ["x"]})
+    write_pickle(base / "train", {"data": cifar_pixels(4, 1), "fine_labels": [0, 1, 1, 0], "coarse_labels": [0] * 4})
+    write_pickle(base / "test", {"data": cifar_pixels(2, 2), "coarse_labels": [0, 0]})
     train = readers.read_split("cifar100", str(tmp_path), "train")
     assert train.labels.tolist() == [0, 1, 1, 0] and train.class_names == ["apple", "bear"]
     with pytest.raises(DatasetFormatError, match=r"cifar-100-python/test: missing field 'fine_labels'"):
@@ -116,6 +120,12 @@ def test_imagenet_and_generic_folders_share_class_ids(tmp_path):
     assert test.labels.tolist() == [0, 1] and test.sources[0].endswith("n01440764/e.JPEG")
     folder = readers.read_split("folder", str(tmp_path), "test")  # no test/: falls back to val/
     assert folder.labels.tolist() == [0, 1]
+    # the reader's own checks: torchvision skips class folders only the split has, names no missing folder
+    write_image(tmp_path / "val" / "n99999999" / "f.JPEG")
+    with pytest.raises(DatasetFormatError, match=r"val: class folders \['n99999999'\] are not in .*train"):
+        readers.read_split("imagenet", str(tmp_path), "test")
+    with pytest.raises(DatasetFormatError, match=r"nowhere/train not found \(expected one folder per class\)"):
+        readers.read_split("folder", str(tmp_path / "nowhere"), "train")
 
 
 def test_csv_reader_resolves_paths_and_names_missing_fields(tmp_path):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import gzip
 import logging
-import os
 import pickle
 import struct
 from collections import Counter
@@ -23,6 +22,8 @@ from typing import Callable, Sequence, Union
 
 import numpy as np
 from PIL import Image
+from torchvision.datasets import CIFAR10, CIFAR100
+from torchvision.datasets.folder import find_classes, make_dataset
 
 from mdc.data import shards, storage
 from mdc.data.images import decode_image
@@ -104,28 +105,28 @@ def _check_image(path: Path, listing: Path, line: int, field: str) -> str:
 # ------------------------------------------------------------------------------- folder layouts
 
 def _class_dirs(directory: Path) -> list[str]:
+    """The sorted class folders of `directory`, as torchvision's ImageFolder finds them."""
     if not directory.is_dir():
-        raise FileNotFoundError(f"{directory} not found (expected one folder per class)")
-    return sorted(d.name for d in os.scandir(directory) if d.is_dir())
+        raise DatasetFormatError(f"{directory} not found (expected one folder per class)")
+    try:
+        return find_classes(directory)[0]
+    except FileNotFoundError:  # torchvision: no class folder in it
+        raise DatasetFormatError(f"{directory}: no class folders (expected one folder per class)") from None
 
 
 def _folder_split(train_dir: Path, split_dir: Path, name: str) -> Split:
-    """Images in split_dir/CLASS/*; class ids from the class folders of the training split."""
+    """Images under split_dir/CLASS/, sub-folders too (torchvision's `make_dataset`); class ids from
+    the class folders of the training split, so both splits agree even where one of them lacks a class."""
     class_names = _class_dirs(train_dir)
     missing = sorted(set(_class_dirs(split_dir)) - set(class_names))
     if missing:
         raise DatasetFormatError(f"{split_dir}: class folders {missing[:5]} are not in {train_dir}")
-    sources, labels = [], []
-    for label, cls in enumerate(class_names):
-        folder = split_dir / cls
-        if not folder.is_dir():
-            continue
-        files = sorted(e.path for e in os.scandir(folder) if e.name.lower().endswith(IMAGE_SUFFIXES))
-        sources += files
-        labels += [label] * len(files)
-    if not sources:
+    class_ids = {c: i for i, c in enumerate(class_names)}
+    samples = make_dataset(split_dir, class_ids, IMAGE_SUFFIXES, allow_empty=True)
+    if not samples:
         raise DatasetFormatError(f"{split_dir}: no images ({', '.join(IMAGE_SUFFIXES)}) in the class folders")
-    return Split(name, sources, np.asarray(labels, dtype=np.int64), class_names)
+    sources, labels = zip(*samples)
+    return Split(name, list(sources), np.asarray(labels, dtype=np.int64), class_names)
 
 
 @register("folder")
@@ -221,43 +222,51 @@ def csv_split(root: str, split: str) -> Split:
 
 # ------------------------------------------------------------------------------- array layouts
 
-def _unpickle(path: Path, fields: tuple[str, ...]) -> dict:
-    """A CIFAR python batch (a pickled dict with bytes keys); fails naming a missing field."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found")
-    with open(path, "rb") as f:
-        raw = pickle.load(f, encoding="bytes")
-    d = {k.decode() if isinstance(k, bytes) else k: v for k, v in raw.items()}
-    for field in fields:
-        if field not in d:
-            raise DatasetFormatError(f"{path}: missing field {field!r}")
-    return d
+def _without_md5(dataset: type[CIFAR10]) -> type[CIFAR10]:
+    """torchvision's `dataset` reading the batches in its `root` itself (not root/cifar-...-py) and
+    checking that they exist, not their md5s: those identify the official download, which the project
+    never makes, and its tests write small batches in the same layout. A damaged batch still fails,
+    when it is unpickled or reshaped."""
+    return type(dataset.__name__, (dataset,), {
+        "base_folder": "",
+        "train_list": [[file, None] for file, _ in dataset.train_list],
+        "test_list": [[file, None] for file, _ in dataset.test_list],
+        "meta": {**dataset.meta, "md5": None},
+    })
 
 
-def _cifar(base: Path, files: list[str], meta: str, label_field: str, names_field: str, name: str) -> Split:
-    class_names = [c.decode() if isinstance(c, bytes) else c
-                   for c in _unpickle(base / meta, (names_field,))[names_field]]
-    images, labels = [], []
-    for file in files:
-        batch = _unpickle(base / file, ("data", label_field))
-        images.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-        labels += list(batch[label_field])
-    return Split(name, np.concatenate(images), np.asarray(labels, dtype=np.int64), class_names)
+def _cifar(dataset: type[CIFAR10], root: str, split: str, label_field: str, name: str) -> Split:
+    """A CIFAR split read by torchvision, its errors turned into ones that name the file and field."""
+    base = _locate(root, dataset.base_folder, dataset.meta["filename"])
+    split_files = [file for file, _ in (dataset.train_list if split == "train" else dataset.test_list)]
+    where = base / split_files[0] if len(split_files) == 1 else f"{base}/{{{','.join(split_files)}}}"
+    try:
+        data = _without_md5(dataset)(base, train=split == "train")
+    except RuntimeError:  # torchvision: "Dataset not found or corrupted": a file is missing
+        expected = [file for file, _ in dataset.train_list + dataset.test_list] + [dataset.meta["filename"]]
+        missing = [file for file in expected if not (base / file).is_file()]
+        raise DatasetFormatError(f"{base}: {', '.join(missing)} not found (expected {', '.join(expected)})") from None
+    except KeyError as e:
+        field = e.args[0]
+        if field == dataset.meta["key"]:
+            raise DatasetFormatError(f"{base / dataset.meta['filename']}: missing field {field!r}") from None
+        missing = "data" if field == "data" else label_field  # torchvision falls back to "fine_labels"
+        raise DatasetFormatError(f"{where}: missing field {missing!r}") from None
+    except (pickle.UnpicklingError, EOFError, ValueError) as e:
+        raise DatasetFormatError(f"{where}: not a CIFAR python batch ({e})") from None
+    return Split(name, data.data, np.asarray(data.targets, dtype=np.int64), list(data.classes))
 
 
 @register("cifar10")
 def cifar10(root: str, split: str) -> Split:
     """CIFAR-10 python batches: data_batch_1..5 / test_batch, names in batches.meta."""
-    base = _locate(root, "cifar-10-batches-py", "batches.meta")
-    files = [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
-    return _cifar(base, files, "batches.meta", "labels", "label_names", f"cifar10/{split}")
+    return _cifar(CIFAR10, root, split, "labels", f"cifar10/{split}")
 
 
 @register("cifar100")
 def cifar100(root: str, split: str) -> Split:
     """CIFAR-100 python files: train / test with the 100 fine labels, names in meta."""
-    base = _locate(root, "cifar-100-python", "meta")
-    return _cifar(base, [split], "meta", "fine_labels", "fine_label_names", f"cifar100/{split}")
+    return _cifar(CIFAR100, root, split, "fine_labels", f"cifar100/{split}")
 
 
 def _read_idx(path: Path, magic: int) -> np.ndarray:
