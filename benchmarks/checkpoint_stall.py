@@ -19,8 +19,8 @@ import torch.distributed as dist
 from moto.server import ThreadedMotoServer
 
 from benchmarks.train_throughput import init_single_process_group, training_setup
-from mdc.train import checkpoint as ckpt
 from mdc.config import ObjectiveConfig, load_config
+from mdc.train import checkpoint as ckpt
 from mdc.train.step import train_step
 from pipelines.train import _save_checkpoint
 
@@ -59,7 +59,8 @@ def main() -> None:
     results = {}
     try:
         for mode in ("sync", "async"):
-            cfg = load_config(None, [f"model.preset={args.preset}", "train.steps=100000",
+            cfg = load_config(None, [f"model.preset={args.preset}", "train.steps=100000", "train.batch_size=32",
+                                     "data.max_length=32",
                                      f"data.endpoint_url={endpoint}", "data.val_uri=null"])
             background = ckpt.Background() if mode == "async" else None
             times = step_times(cfg, f"s3://stall/{mode}", args.steps, args.every, background)

@@ -27,8 +27,8 @@ import numpy as np
 import ray
 
 from mdc.data import shards
-from mdc.data.img2dataset import generated_rows, write_img2dataset_folder
 from mdc.data.images import preprocess_batch
+from mdc.data.img2dataset import generated_rows, write_img2dataset_folder
 from mdc.data.tokenizer import CaptionTokenizer
 from pipelines.ingest import build_dataset, ingest_resources
 

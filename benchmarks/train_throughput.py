@@ -21,10 +21,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mdc.config import ObjectiveConfig, OptimConfig
+from mdc.data.tokenizer import CaptionTokenizer
 from mdc.models.captioner import Captioner
 from mdc.registry import compute_loss
 from mdc.train.fsdp import prepare_model
-from mdc.data.tokenizer import CaptionTokenizer
 from mdc.train.step import build_optimizer, build_scheduler, train_step
 
 

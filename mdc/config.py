@@ -1,4 +1,7 @@
-"""Typed run configuration: loaded from YAML, overridden by `key=value`, validated before any work."""
+"""Typed run configuration: loaded from YAML, overridden by `key=value`, validated before any work.
+
+The defaults are the embedded demo (configs/demo.yaml, every command's default config): `RunConfig()`
+equals it, which tests/test_config.py checks."""
 
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ class DataConfig(_Section):
     train_uri: str = "runs/shapes/train"
     val_uri: str | None = "runs/shapes/val"
     endpoint_url: str | None = None
-    max_length: int = Field(32, ge=2, le=512)
+    max_length: int = Field(16, ge=2, le=512)
     shuffle_buffer: int = Field(256, ge=0)
     format: Literal["auto", "webdataset", "parquet"] = Field(
         "auto", description="auto: the tars and every Parquet file that is not a tar's side file")
@@ -74,25 +77,25 @@ class OptimConfig(_Section):
     weight_decay: float = Field(0.05, ge=0.0)
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
     beta2: float = Field(0.98, ge=0.0, lt=1.0)
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: int = Field(30, ge=0)
     grad_clip: float = Field(1.0, gt=0.0)
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
 
 
 class TrainConfig(_Section):
-    steps: int = Field(300, ge=1)
-    batch_size: int = Field(32, ge=1, description="per worker and micro-batch")
+    steps: int = Field(600, ge=1)
+    batch_size: int = Field(16, ge=1, description="per worker and micro-batch")
     global_batch_size: int | None = Field(None, ge=1, description="the optimiser's batch; a multiple of "
                                           "batch_size × num_workers (gradient accumulation); default their product")
     activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward")
     compile: bool = Field(False, description="torch.compile each transformer block")
     seed: int = 0
-    checkpoint_every: int = Field(100, ge=1)
+    checkpoint_every: int = Field(200, ge=1)
     keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept in storage, newest first")
     async_checkpoint: bool = Field(False, description="copy checkpoints to storage and commit them in a "
                                    "background thread while training goes on")
-    log_every: int = Field(10, ge=1)
-    val_every: int = Field(100, ge=1)
+    log_every: int = Field(20, ge=1)
+    val_every: int = Field(200, ge=1)
     val_batches: int = Field(4, ge=1)
     num_workers: int = Field(2, ge=1)
     use_gpu: bool = False

@@ -1,4 +1,4 @@
-"""DDCap's techniques for masked diffusion captioning (Zhu et al. 2022, SPEC §4), each a switch.
+"""DDCap's techniques for masked diffusion captioning (Zhu et al. 2022, docs/design.md §4), each a switch.
 
 - **Length prediction** (`model.predict_length`): the caption length N' is a class 1..max_length
   predicted from the pooled image feature by `Captioner.length_head`, trained with an extra

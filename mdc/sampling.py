@@ -1,4 +1,4 @@
-"""Writing captions (SPEC §4).
+"""Writing captions (docs/design.md §4).
 
 Masked diffusion: start from N' [MASK] tokens (or a partly given caption, for infilling); each
 step one forward pass predicts every masked position and some positions are committed:

@@ -1,4 +1,4 @@
-"""Scoring a caption by its estimated log-likelihood log p(C | V) (SPEC §5).
+"""Scoring a caption by its estimated log-likelihood log p(C | V) (docs/design.md §5).
 
 - autoregressive: exact, the sum of teacher-forced token log-probabilities (EOS included);
 - masked diffusion, heuristic: pseudo-log-likelihood, each token masked alone, log-probs summed;

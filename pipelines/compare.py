@@ -16,7 +16,6 @@ every row's metrics and both files, with each objective's training run as its ch
 
 from __future__ import annotations
 
-import html
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,8 +25,16 @@ from rich.console import Console
 from rich.table import Table
 
 from mdc.config import RunConfig, load_config
-from mdc.registry import OBJECTIVES
+from mdc.data import shards
+from mdc.data.shapes import write_shapes_dataset
 from mdc.data.storage import join
+from mdc.evaluation import captioning
+from mdc.evaluation import compositionality as comp
+from mdc.evaluation import probe as linear_probe
+from mdc.registry import OBJECTIVES
+from mdc.train.checkpoint import load_pretrained
+from pipelines import reports, tracking
+from pipelines.train import run_training
 
 DEFAULT_OBJECTIVES = tuple(OBJECTIVES)
 COLUMNS = {  # field -> (column title, format)
@@ -69,23 +76,14 @@ def evaluate_checkpoint(checkpoint: str, data_uri: str, endpoint_url: str | None
     `compositionality_blind_accuracy` (macro), `text_biased`, and per subset
     `compositionality/BENCHMARK/SUBSET` and `blind/BENCHMARK/SUBSET`; `captions/N{n}/{bleu4,cider,
     captions_per_s}` for each length the model can write (CLIP writes none)."""
-    from mdc.data import shards
-    from mdc.train.checkpoint import load_pretrained
-    from mdc.evaluation import captioning, compositionality as comp, probe as linear_probe
-
     model, cfg = load_pretrained(checkpoint, endpoint_url=endpoint_url)
     objective = cfg.objective.name
     out = {}
     if probe:
         out["probe_accuracy"] = linear_probe.probe_shapes(model, data_uri, endpoint_url)["accuracy"]
     if compositionality:
-        root = join(data_uri, "compositionality")
-        items = {f"{benchmark}/{subset}": subset_items
-                 for benchmark in comp.BENCHMARKS
-                 for subset, subset_items in comp.read_benchmark(benchmark, root).items()}
-        _, score = comp.get_scorer("auto", objective)
-        result = comp.evaluate_compositionality(model, items, score, samples=samples, seed=seed, limit=limit,
-                                                normalize=normalize)
+        result = comp.evaluate_shapes(model, objective, data_uri, endpoint_url, samples=samples, limit=limit,
+                                      normalize=normalize, seed=seed)
         out.update(compositionality_accuracy=result["macro_accuracy"],
                    compositionality_blind_accuracy=result["macro_blind_accuracy"],
                    text_biased=", ".join(result["text_biased"]) or "none")
@@ -108,19 +106,6 @@ def compare_config(base: RunConfig, objective: str, data_uri: str, name: str) ->
     return RunConfig.model_validate(raw)
 
 
-def markdown_table(rows: Sequence[Row]) -> str:
-    lines = ["| " + " | ".join(title for title, _ in COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
-    return "\n".join(lines + ["| " + " | ".join(row.cells()) + " |" for row in rows]) + "\n"
-
-
-def html_table(rows: Sequence[Row], title: str) -> str:
-    head = "".join(f"<th>{html.escape(column)}</th>" for column, _ in COLUMNS.values())
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row.cells()) + "</tr>" for row in rows)
-    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title><style>"
-            "body{font-family:sans-serif}td,th{padding:4px 10px;border-bottom:1px solid #ddd;text-align:right}"
-            f"</style></head><body><h1>{html.escape(title)}</h1><table><tr>{head}</tr>{body}</table></body></html>")
-
-
 def run_compare(objectives: Sequence[str], workdir: Path, data_uri: str | None = None, config: Path | None = None,
                 overrides: Sequence[str] = (), name: str | None = None, caption_length: int = 10,
                 limit: int | None = 200, samples: int = 8, num_images: int = 2000,
@@ -130,12 +115,6 @@ def run_compare(objectives: Sequence[str], workdir: Path, data_uri: str | None =
     `config` (default: none, the built-in defaults) and `overrides` make the shared budget; runs,
     MLflow and the tables go under `workdir`. Without `data_uri`, `num_images` shapes are generated
     into workdir/shapes (once)."""
-    from mdc.data import shards
-    from mdc.data.shapes import write_shapes_dataset
-    from pipelines import tracking
-    from pipelines.evaluate import log_evaluation
-    from pipelines.train import run_training
-
     console = console or Console()
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -168,14 +147,16 @@ def run_compare(objectives: Sequence[str], workdir: Path, data_uri: str | None =
                       checkpoint=summary.checkpoint_uri, mlflow_run_id=summary.mlflow_run_id)
             rows.append(row)
             numbers = {f"compare/{k}": v for k, v in asdict(row).items() if isinstance(v, float)}
-            log_evaluation(mlflow_uri, numbers, [], run_id=summary.mlflow_run_id)
+            tracking.log_evaluation(mlflow_uri, numbers, [], run_id=summary.mlflow_run_id)
     except BaseException:
         tracking.finish_run(mlflow_uri, parent, "FAILED")
         raise
 
     title = f"mdc compare: {', '.join(objectives)} on {data_uri}, {base.train.steps} steps"
-    (workdir / "compare.md").write_text(f"# {title}\n\n{markdown_table(rows)}")
-    (workdir / "compare.html").write_text(html_table(rows, title))
+    titles = [title for title, _ in COLUMNS.values()]
+    (workdir / "compare.md").write_text(f"# {title}\n\n{reports.markdown_table(titles, [row.cells() for row in rows])}")
+    (workdir / "compare.html").write_text(reports.page(title, [("Objectives", reports.table_html(
+        [dict(zip(titles, row.cells())) for row in rows]))]))
     table = Table(title=title)
     for field, (title, _) in COLUMNS.items():
         table.add_column(title, justify="left" if field == "objective" else "right")
@@ -183,7 +164,7 @@ def run_compare(objectives: Sequence[str], workdir: Path, data_uri: str | None =
         table.add_row(*row.cells())
     console.print(table)
     parent_metrics = {f"{row.objective}/{k}": v for row in rows for k, v in asdict(row).items() if isinstance(v, float)}
-    log_evaluation(mlflow_uri, parent_metrics, [workdir / "compare.md", workdir / "compare.html"], run_id=parent)
+    tracking.log_evaluation(mlflow_uri, parent_metrics, [workdir / "compare.md", workdir / "compare.html"], run_id=parent)
     tracking.finish_run(mlflow_uri, parent)
     console.print(f"table: {workdir / 'compare.md'}, {workdir / 'compare.html'}; MLflow parent run {parent}")
     return rows

@@ -11,6 +11,7 @@ from rich.text import Text
 
 from mdc.config import ConfigError
 from mdc.data.storage import StorageError
+from mdc.evaluation.readers import DatasetFormatError
 
 console = Console(soft_wrap=True)
 
@@ -29,8 +30,6 @@ class UserError(ValueError):
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    from mdc.evaluation.readers import DatasetFormatError
-
     return UserError, ConfigError, StorageError, DatasetFormatError
 
 

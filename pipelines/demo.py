@@ -11,20 +11,23 @@ import warnings
 from pathlib import Path
 
 from rich.table import Table
+from sklearn.exceptions import ConvergenceWarning
 
+from mdc.config import DEFAULT_CONFIG, load_config
 from mdc.data import shards
-from mdc.train.checkpoint import load_pretrained
-from mdc.config import load_config
-from mdc.registry import OBJECTIVES
 from mdc.data.shapes import write_shapes_dataset
 from mdc.evaluation import captioning
-from pipelines import reports
+from mdc.evaluation.compositionality import evaluate_shapes
+from mdc.evaluation.probe import probe_shapes, random_init
+from mdc.registry import OBJECTIVES
+from mdc.train.checkpoint import load_pretrained
+from pipelines import reports, tracking
 from pipelines.console import console
+from pipelines.runtime import create_bucket, local_s3_server, ray_session
+from pipelines.train import run_training
 
 BUCKET = "mdc-demo"
-# Shapes images in the bucket: 600 steps of 2 x 16 images are ~2.4 passes over them. With 3,000 (~7
-# passes) the encoder memorises more than it learns: the probe beat random init by 0.07, against 0.2
-# with 9,000 (the demo recipe in one process, as tests/test_evaluation.py trains it).
+# Shapes images in the bucket (~2.4 passes of the demo's 600 steps); why 9,000: docs/design.md §11, 'Demo dataset size'
 DEMO_IMAGES = 9000
 # Captions are written at the paper's fixed lengths that fit the demo's max_length of 16 tokens (its
 # 20 does not); the shapes captions are 4 to 12 tokens long.
@@ -43,39 +46,25 @@ def caption_heldout(checkpoint_dir: str, data_uri: str, endpoint_url: str | None
     return images, captioning.evaluate_captions(model, cfg.objective.name, images, CAPTION_LENGTHS)
 
 
-def evaluate_demo_model(checkpoint_dir: str, data_uri: str, endpoint_url: str, workdir: Path) -> dict:
+def evaluate_demo_model(checkpoint_dir: str, data_uri: str, endpoint_url: str) -> dict:
     """Linear probe on the held-out shapes labels (against the same architecture at random init)
     and ARO-style compositionality on the shapes pairs, scored by the objective's own scorer."""
-    import pyarrow.fs as pafs
-    from sklearn.exceptions import ConvergenceWarning
-
-    from mdc.data import storage
-    from mdc.evaluation.compositionality import evaluate_compositionality, get_scorer, read_benchmark
-    from mdc.evaluation.probe import probe_shapes, random_init
-
     model, cfg = load_pretrained(checkpoint_dir)
     with warnings.catch_warnings():  # lbfgs at its iteration limit for some C of the sweep: 8 lines of noise
         warnings.simplefilter("ignore", ConvergenceWarning)
         probe = probe_shapes(model, data_uri, endpoint_url, baseline=random_init(cfg))
-    fs, path = storage.open_fs(f"{data_uri}/compositionality", endpoint_url)
-    local = workdir / "compositionality"
-    pafs.copy_files(path, str(local), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
-    scorer_name, scorer = get_scorer("auto", cfg.objective.name)
-    comp = evaluate_compositionality(model, read_benchmark("aro", local), scorer, samples=4, limit=100)
+    comp = evaluate_shapes(model, cfg.objective.name, data_uri, endpoint_url, samples=4, limit=100, benchmarks=("aro",))
     return {"probe_accuracy": probe["accuracy"], "probe_random_init_accuracy": probe["random_init_accuracy"],
-            "compositionality_scorer": scorer_name, "compositionality": comp["accuracy"],
+            "compositionality_scorer": comp["scorer"], "compositionality": comp["accuracy"],
             "compositionality_blind": comp["blind_accuracy"], "compositionality_text_biased": comp["text_biased"]}
 
 
 def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), verbose: bool = False) -> dict:
-    from pipelines.runtime import create_bucket, local_s3_server, ray_session
-    from pipelines.train import run_training
-
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     with local_s3_server() as endpoint:
         data_uri = f"s3://{BUCKET}/shapes"
-        cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml", [
+        cfg = load_config(DEFAULT_CONFIG, [
             f"data.train_uri={data_uri}/train", f"data.val_uri={data_uri}/val", f"data.endpoint_url={endpoint}",
             f"storage_uri={workdir / 'checkpoints'}", f"mlflow_uri=sqlite:///{workdir / 'mlflow.db'}",
             *overrides])
@@ -87,7 +76,7 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
         console.print(f"captioning {HELD_OUT} held-out images at N' = {', '.join(map(str, CAPTION_LENGTHS))}, "
                       "probing the encoder, scoring compositionality")
         images, captions = caption_heldout(result.checkpoint_uri, f"{data_uri}/val", endpoint)
-        evaluation = evaluate_demo_model(result.checkpoint_uri, data_uri, endpoint, workdir)
+        evaluation = evaluate_demo_model(result.checkpoint_uri, data_uri, endpoint)
 
     summary = {"run_name": result.run_name, "final_loss": result.metrics.get("loss"),
                "val_loss": result.metrics.get("val_loss"), "skipped_records": result.skipped,
@@ -125,10 +114,8 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
 def write_report(workdir: Path, cfg, result, evaluation: dict, images, captions: dict | None) -> Path:
     """report.html (and curves.png) in the work folder, also an artifact of the training run: the
     loss curves, the probe and compositionality tables, the held-out images beside their captions."""
-    from pipelines import tracking
-
     tracking_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
-    curves = reports.curves_png(reports.metric_history(tracking_uri, result.mlflow_run_id), workdir / "curves.png",
+    curves = reports.curves_png(tracking.metric_history(tracking_uri, result.mlflow_run_id, reports.CURVES), workdir / "curves.png",
                                 f"{cfg.name}: {cfg.train.steps} steps of {cfg.train.num_workers} x {cfg.train.batch_size}")
     sections = [("Training", reports.image_html(curves, "training and validation loss")),
                 ("Linear probe and compositionality", reports.results_html(evaluation))]
@@ -138,5 +125,5 @@ def write_report(workdir: Path, cfg, result, evaluation: dict, images, captions:
                               "not at each reference's own length.")))
     path = workdir / "report.html"
     path.write_text(reports.page(f"mdc demo: {cfg.name}", sections))
-    reports.log_artifacts(tracking_uri, result.mlflow_run_id, [path, curves])
+    tracking.log_artifacts(tracking_uri, result.mlflow_run_id, [path, curves], "report")
     return path

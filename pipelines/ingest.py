@@ -2,14 +2,11 @@
 
 The shard list is made on the driver (img2dataset's side files left out), shuffled per epoch, and
 each shard is read by one `read_shards` task that streams its members (tar) or row batches
-(Parquet), parses, decodes, resizes and tokenizes, and yields batches. One stage with
-resources chosen here replaces Ray's own read operators, whose listing task asks for a whole CPU:
-beside training workers on a small machine that task could never be scheduled (issue 11).
+(Parquet), parses, decodes, resizes and tokenizes, and yields batches. One stage of our own replaces
+Ray's read operators (why: docs/design.md §11, 'Ingest readers').
 
 The CPUs ingest may use are what the cluster has minus what the training workers hold
-(`ingest_resources`), cut into one reader per whole CPU: measured on 2 cores, four 0.25-CPU readers
-in a 1-CPU budget ingested 119–191 img/s where one 1-CPU reader did 436–505 (readers beyond the
-cores only contend). Each decoded batch leaves its task as its own block, so what a task holds
+(`ingest_resources`), cut into one reader per whole CPU (why: docs/design.md §11, 'Ingest readers'). Each decoded batch leaves its task as its own block, so what a task holds
 does not grow with its shard. Bad records are dropped where they are found and counted by reason,
 per shard, in one `SkipCounter` actor. Rows carry their shard and place in it, for the data
 position a checkpoint stores (`pipelines/position.py`), and a resumed epoch's read tasks pass over
@@ -32,8 +29,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import ray
 
-from mdc.data import shards
 from mdc.config import ConfigError
+from mdc.data import shards
 from mdc.data.images import preprocess_batch
 from mdc.data.tokenizer import CaptionTokenizer
 
@@ -234,7 +231,7 @@ def build_dataset(uri: str, image_size: int, max_length: int, counter=None, endp
 def stalled_operator() -> str:
     """The first operator of the newest running training dataset that has completed no task,
     from Ray Data's own progress records (what its progress bar shows)."""
-    from ray.data._internal.stats import STATS_ACTOR_NAME, STATS_ACTOR_NAMESPACE
+    from ray.data._internal.stats import STATS_ACTOR_NAME, STATS_ACTOR_NAMESPACE  # private: only to explain a stall
 
     try:
         stats = ray.get_actor(STATS_ACTOR_NAME, namespace=STATS_ACTOR_NAMESPACE)

@@ -1,14 +1,27 @@
-"""Pages and plots a person looks at after a run: the training curves as a PNG, tables of whatever
-columns the results hold, captions beside their images, put together as one self-contained HTML
-page (images inline) and logged to MLflow. Used by the demo, `mdc eval captions` and the end of
-every training run; a study or a comparison can assemble its own page from the same parts."""
+"""Every table and plot a person looks at after a run: Markdown, CSV and HTML tables, the training
+curves, the scaling curve, a sweep's metrics and a study's claim intervals as PNGs, captions beside
+their images, put together as one self-contained HTML page (images inline). Used by the demo,
+`mdc eval captions`, the end of every training run, `mdc compare`, `mdc scaling`, `mdc tune` and
+`mdc study`; pipelines/tracking.py logs them to MLflow."""
 
 from __future__ import annotations
 
 import base64
+import csv
 import html
 from pathlib import Path
 from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a window: runs on headless workers
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+from mdc.data import shards
+from mdc.evaluation import captioning
+from mdc.registry import OBJECTIVES
+from mdc.train.checkpoint import load_pretrained
+from pipelines import tracking
 
 CURVES = ("loss", "val_loss")
 
@@ -20,22 +33,8 @@ STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:auto}td,th{vertica
          "border-bottom:1px solid #ddd;text-align:left}img{image-rendering:pixelated}")
 
 
-def metric_history(tracking_uri: str, run_id: str, keys: Sequence[str] = CURVES) -> dict[str, list[tuple[int, float]]]:
-    """(step, value) pairs of each metric the run logged, by step."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
-    history = {key: sorted({m.step: m.value for m in client.get_metric_history(run_id, key)}.items()) for key in keys}
-    return {key: points for key, points in history.items() if points}
-
-
 def curves_png(history: dict[str, list[tuple[int, float]]], path: Path, title: str = "") -> Path:
     """The training loss and the validation loss against the step, one axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for key, points in history.items():
         ax.plot([s for s, _ in points], [v for _, v in points], label=key, marker="o" if len(points) < 20 else None)
@@ -46,6 +45,69 @@ def curves_png(history: dict[str, list[tuple[int, float]]], path: Path, title: s
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table of formatted cells, one row per sequence."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
+def write_csv(path: Path, columns: Sequence[str], rows: Sequence[dict]) -> Path:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def scaling_png(sizes: Sequence[int], accuracies: Sequence[float], path: Path, title: str) -> Path:
+    """Probe accuracy against the number of distinct training pairs, log x."""
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(sizes, accuracies, marker="o")
+    ax.set_xscale("log")
+    ax.set_xlabel("distinct pairs in the training subset")
+    ax.set_ylabel("linear probe top-1")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def sweep_png(rows: Sequence[dict], x_key: str, metrics: Sequence[str], path: Path, title: str) -> Path:
+    """One bar chart per metric over the trials, labelled by the swept parameter `x_key`."""
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.5))
+    for ax, metric in zip(axes, metrics):
+        points = [(r[x_key], r[metric]) for r in rows if r[metric] is not None]
+        ax.bar(range(len(points)), [y for _, y in points], tick_label=[str(x) for x, _ in points])
+        ax.set_xlabel(x_key)
+        ax.set_ylabel(metric)
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def claims_png(claims: Sequence[dict], path: Path, confidence: float) -> Path:
+    """Each claim's interval against 0 (and −margin for `at_least`), coloured by verdict."""
+    colours = {"holds": "tab:green", "reversed": "tab:red", "inconclusive": "tab:gray"}
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(claims) + 1.2))
+    for y, c in enumerate(reversed(claims)):
+        ax.plot([c["ci_low"], c["ci_high"]], [y, y], color=colours[c["verdict"]], linewidth=3)
+        ax.plot([c["mean_diff"]], [y], "o", color=colours[c["verdict"]])
+        if c["expect"] == "at_least":
+            ax.plot([-c["margin"]], [y], "|", color="black", markersize=12)
+    ax.axvline(0.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(claims)), [f"{c['name']} ({c['verdict']})" for c in reversed(claims)], fontsize=8)
+    ax.set_xlabel(f"mean paired difference a − b, {int(confidence * 100)}% t interval")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
@@ -76,13 +138,11 @@ def captions_html(images, result: dict, note: str = "") -> str:
     """Each captioned image (inline) beside its generated captions (per N') and its references, after
     the scores per N'. `images` are mdc.evaluation.captioning.CaptionImage, `result` what
     captioning.evaluate_captions returned for them."""
-    from mdc.data.shards import image_extension
-
     scores = [{"N'": n, "BLEU-4": m["bleu4"], "CIDEr-D": m["cider"], "captions/s": m["captions_per_s"]}
               for n, m in result["lengths"].items()]
     rows = []
     for img, entry in zip(images, result["captions"]):
-        mime = "image/" + {"jpg": "jpeg"}.get(image_extension(img.image), image_extension(img.image))
+        mime = "image/" + {"jpg": "jpeg"}.get(shards.image_extension(img.image), shards.image_extension(img.image))
         generated = "".join(f"<li><b>N'={n}</b> {escape(c)}</li>" for n, c in entry["generated"].items())
         refs = "".join(f"<li>{escape(r)}</li>" for r in entry["references"])
         rows.append(f"<tr><td><img class=\"caption-image\" src=\"{data_uri(img.image, mime)}\" width=\"96\"><br>"
@@ -103,14 +163,6 @@ def image_html(png: Path, alt: str) -> str:
     return f"<img class=\"curves\" alt=\"{escape(alt)}\" src=\"{data_uri(png.read_bytes(), 'image/png')}\">"
 
 
-def log_artifacts(tracking_uri: str, run_id: str, paths: Sequence[Path], artifact_path: str = "report") -> None:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
-    for path in paths:
-        client.log_artifact(run_id, str(path), artifact_path=artifact_path)
-
-
 def results_html(results: dict) -> str:
     """Evaluation results as two tables: the single numbers, and the per-subset ones (every dict
     of the results keyed by subset becomes a column: accuracy, blind accuracy, ...)."""
@@ -126,13 +178,7 @@ def results_html(results: dict) -> str:
 def training_report(cfg, summary, directory: Path, num_images: int = 8) -> list[Path]:
     """curves.png and captions.html of a finished training run (captions of the first held-out
     images at N' = 10, or the model's maximum when shorter), written to `directory`."""
-    from mdc.data import shards
-    from mdc.train.checkpoint import load_pretrained
-    from mdc.evaluation import captioning
-    from mdc.registry import OBJECTIVES
-    from pipelines import tracking
-
-    history = metric_history(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id)
+    history = tracking.metric_history(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id, CURVES)
     paths = [curves_png(history, directory / "curves.png", f"{cfg.name}: {cfg.objective.name}, {cfg.train.steps} steps")]
     if cfg.data.val_uri and OBJECTIVES[cfg.objective.name].write:
         model, _ = load_pretrained(summary.checkpoint_uri, endpoint_url=cfg.data.endpoint_url)

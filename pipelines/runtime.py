@@ -15,10 +15,14 @@ import traceback
 from pathlib import Path
 
 import ray
+import ray._private.worker as ray_worker
+import ray.data
 import typer
+from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+from ray._private.worker import print_to_stdstream
 
-from mdc.data import storage
 from mdc.config import RunConfig
+from mdc.data import storage
 from pipelines.console import RunFailed, UserError, console, first_line_of, user_error_types
 
 PROBE_TIMEOUT_S = 3.0
@@ -124,8 +128,6 @@ class _LogRoute:
     def install(cls) -> None:
         """Swap Ray's printer of forwarded worker output for ours; Ray adds its printer in ray.init,
         so this runs on entering ray_output_to and again after connect_ray."""
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-
         if cls.handler is None or not ray.is_initialized():
             return
         cls.replaced |= any(name == "ray_print_logs" for name, _ in dispatcher.handlers)
@@ -135,9 +137,6 @@ class _LogRoute:
 
     @classmethod
     def uninstall(cls) -> None:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-        from ray._private.worker import print_to_stdstream
-
         dispatcher.remove_handler("mdc_log_file")
         if cls.replaced:
             dispatcher.add_handler("ray_print_logs", lambda data: print_to_stdstream(data, ignore_prefix=False))
@@ -151,9 +150,6 @@ def ray_output_to(log_file: Path):
     Data's progress bars, and what Ray's C++ core writes to this process's stderr (fd 2; Python's
     sys.stderr stays on the console). Lines that workers print with an `[mdc] ` prefix (rank 0's
     notices) still reach the console, once each."""
-    import ray._private.worker as ray_worker
-    import ray.data
-
     log_file.parent.mkdir(parents=True, exist_ok=True)
     sink = open(log_file, "a", buffering=1)
     last_shown = [None]
@@ -243,7 +239,7 @@ def local_s3_server():
 
 
 def create_bucket(endpoint_url: str, bucket: str) -> None:
-    import boto3
+    import boto3  # only for the local S3 server of the demo and the tests
 
     client = boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1")
     with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):

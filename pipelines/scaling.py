@@ -15,23 +15,22 @@ run NAME, whose children are the per-size training runs.
 
 from __future__ import annotations
 
-import csv
 import json
 import posixpath
 import tempfile
+import traceback
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Optional
-
-import traceback
 
 import pyarrow.fs as pafs
-import typer
 
+from mdc.config import RunConfig, build_config
 from mdc.data import shards, storage
-from mdc.config import DEFAULT_CONFIG, RunConfig, build_config, load_config
-from pipelines.console import (VERBOSE_OPTION, Settings, UserError, console, first_line_of, report_failures,
-                               user_errors)
+from mdc.evaluation import probe, readers
+from mdc.train.checkpoint import load_pretrained
+from pipelines import reports, tracking
+from pipelines.console import UserError, console, first_line_of
+from pipelines.train import run_training
 
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9}
 RESULTS, ERROR = "results.json", "error.txt"
@@ -123,8 +122,6 @@ class Probe:
 
     def check(self) -> None:
         """Fail before any training if the probe dataset cannot be used."""
-        from mdc.evaluation import readers
-
         if self.dataset not in readers.dataset_kinds():
             raise ScalingError(f"--probe-dataset {self.dataset!r}: expected one of {readers.dataset_kinds()}")
         if self.dataset in readers.SHARD_DATASETS:
@@ -134,9 +131,6 @@ class Probe:
                                    "labelled dataset written by `mdc data shapes|tuxpaint`")
 
     def __call__(self, checkpoint_uri: str) -> float:
-        from mdc.train.checkpoint import load_pretrained
-        from mdc.evaluation import probe, readers
-
         if self.splits is None:
             self.splits = [readers.read_split(self.dataset, self.root, s, self.endpoint_url) for s in ("train", "test")]
         model, _ = load_pretrained(checkpoint_uri, "cpu", self.endpoint_url)
@@ -157,31 +151,11 @@ def pairs_seen(cfg: RunConfig) -> int:
 
 def write_report(rows: list[dict], directory: Path, title: str) -> list[Path]:
     """The curve (PNG) and the table (CSV, Markdown) of the sizes done so far."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = [directory / CURVE, directory / TABLE_CSV, directory / TABLE_MD]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([r["size"] for r in rows], [r["probe_accuracy"] for r in rows], marker="o")
-    ax.set_xscale("log")
-    ax.set_xlabel("distinct pairs in the training subset")
-    ax.set_ylabel("linear probe top-1")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=120)
-    plt.close(fig)
-    with open(paths[1], "w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    lines = ["| " + " | ".join(COLUMNS[:6]) + " |", "|" + " --- |" * 6]
-    lines += [f"| {r['size']} | {r['run_name']} | {r['fraction']:.4f} | {r['steps']} | {r['pairs_seen']} | "
-              f"{r['probe_accuracy']:.4f} |" for r in rows]
-    paths[2].write_text(title + "\n\n" + "\n".join(lines) + "\n")
-    return paths
+    table = reports.markdown_table(COLUMNS[:6], [[str(r["size"]), r["run_name"], f"{r['fraction']:.4f}", str(r["steps"]),
+                                                  str(r["pairs_seen"]), f"{r['probe_accuracy']:.4f}"] for r in rows])
+    (directory / TABLE_MD).write_text(title + "\n\n" + table)
+    return [reports.scaling_png([r["size"] for r in rows], [r["probe_accuracy"] for r in rows], directory / CURVE, title),
+            reports.write_csv(directory / TABLE_CSV, COLUMNS, rows), directory / TABLE_MD]
 
 
 def run_scaling(base: RunConfig, sizes: list[int], total: int, name: str, probe: Probe
@@ -189,14 +163,8 @@ def run_scaling(base: RunConfig, sizes: list[int], total: int, name: str, probe:
     """Train and probe every size that has no result yet; returns one row per finished size and
     the failed ones as (run name, error line, where its traceback is). A failed size does not stop
     the others; its traceback goes to STORAGE/NAME-SIZE/error.txt."""
-    from mlflow.tracking import MlflowClient
-
-    from pipelines import tracking
-    from pipelines.train import run_training
-
     endpoint = base.data.endpoint_url
     mlflow_uri = tracking.absolute_tracking_uri(base.mlflow_uri)
-    client = MlflowClient(mlflow_uri)
     params = {"sizes": ",".join(map(str, sizes)), "total": total, "train_uri": base.data.train_uri,
               "subset_salt": base.data.subset_salt, "steps": base.train.steps, "pairs_seen": pairs_seen(base)}
     parent = tracking.get_or_create_run(mlflow_uri, base.experiment, name, params)
@@ -223,8 +191,8 @@ def run_scaling(base: RunConfig, sizes: list[int], total: int, name: str, probe:
                 failures.append((cfg.name, first_line_of(err), error_uri))
                 console.print(f"{cfg.name}: failed: {first_line_of(err)}", highlight=False)
                 continue
-            client.log_metric(summary.mlflow_run_id, f"eval/probe/{probe.dataset}/accuracy", accuracy)
-            client.log_metric(parent, "scaling/probe_accuracy", accuracy, step=size)
+            tracking.log_metrics(mlflow_uri, summary.mlflow_run_id, {f"eval/probe/{probe.dataset}/accuracy": accuracy})
+            tracking.log_metrics(mlflow_uri, parent, {"scaling/probe_accuracy": accuracy}, step=size)
             row = {"size": size, "run_name": cfg.name, "fraction": cfg.data.subset_fraction,
                    "steps": cfg.train.steps, "pairs_seen": pairs_seen(cfg), "probe_accuracy": accuracy,
                    "mlflow_run_id": summary.mlflow_run_id, "checkpoint_uri": summary.checkpoint_uri}
@@ -233,8 +201,8 @@ def run_scaling(base: RunConfig, sizes: list[int], total: int, name: str, probe:
             rows.append(row)
         title = f"{name}: {pairs_seen(base)} pairs seen per model ({base.train.steps} steps)"
         with tempfile.TemporaryDirectory() as directory:
-            for path in write_report(rows, Path(directory), title) if rows else []:
-                client.log_artifact(parent, str(path), artifact_path="scaling")
+            tracking.log_artifacts(mlflow_uri, parent, write_report(rows, Path(directory), title) if rows else [],
+                                   "scaling")
             if rows:
                 console.print(Path(directory, TABLE_MD).read_text(), markup=False)
     except BaseException:
@@ -242,44 +210,3 @@ def run_scaling(base: RunConfig, sizes: list[int], total: int, name: str, probe:
         raise
     tracking.finish_run(mlflow_uri, parent, "FAILED" if failures else "FINISHED")
     return rows, failures
-
-
-def scaling(ctx: typer.Context,
-            sizes: str = typer.Option(..., help="subset sizes in pairs, K/M/B suffixes: 5M,10M,20M"),
-            data: str = typer.Option(..., help="training split (local or s3://); manifest.json is in its parent"),
-            name: str = typer.Option(..., help="experiment name: the parent MLflow run; runs are NAME-SIZE"),
-            config: Path = typer.Option(DEFAULT_CONFIG, help="YAML run config shared by every size"),
-            total: Optional[int] = typer.Option(None, min=1, help="pairs in the split (default: from manifest.json)"),
-            probe_dataset: str = typer.Option("shapes", help="kind of the probe's labelled dataset "
-                                              "(shapes, tuxpaint: shards, also s3://; others: a local root)"),
-            probe_data: Optional[str] = typer.Option(None, help="root of the probe's dataset (default: the "
-                                                     "dataset that holds --data)"),
-            storage_uri: Optional[str] = typer.Option(None, "--storage", help="checkpoint storage URI (storage_uri)"),
-            mlflow_uri: Optional[str] = None,
-            address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
-            verbose: bool = VERBOSE_OPTION):
-    """Dataset scaling: one model per nested subset size, the same steps each, probed; a size with a
-    stored result is skipped. Extra arguments are `section.key=value` overrides; the validation split
-    is the `val` beside --data when the manifest lists one, unless `data.val_uri=` is given."""
-    Settings.verbose = verbose
-    with user_errors():
-        from pipelines.runtime import absolute_paths, absolute_uri, check_inputs, ray_session
-
-        data = absolute_uri(data)
-        overrides = [f"data.train_uri={data}"]
-        overrides += [f"{k}={v}" for k, v in {"storage_uri": storage_uri, "mlflow_uri": mlflow_uri}.items() if v]
-        base = absolute_paths(load_config(config, overrides + list(ctx.args)))
-        size_list = parse_sizes(sizes)
-        manifest_uri, manifest = read_dataset_manifest(parent_uri(data), base.data.endpoint_url)
-        total = total or split_total(data, manifest_uri, manifest, base.data.endpoint_url)
-        for size in size_list:
-            subset_fraction(size, total)
-        probe = Probe(probe_dataset, absolute_uri(probe_data) or parent_uri(data), base.data.endpoint_url)
-        probe.check()
-        if "val" in manifest.get("splits", {}) and not any(arg.startswith("data.val_uri=") for arg in ctx.args):
-            base.data.val_uri = storage.join(parent_uri(data), "val")
-        check_inputs(base)
-        log = (Path(base.storage_uri) if "://" not in base.storage_uri else Path("mdc-logs")).resolve() / name
-        with ray_session(log / "ray.log", address, verbose):
-            rows, failures = run_scaling(base, size_list, total, name, probe)
-    report_failures("size", len(size_list), failures)

@@ -25,15 +25,21 @@ import time
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import typer
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from rich.console import Console
-from rich.table import Table
+from scipy import stats
 
-from mdc.config import ConfigError, DEFAULT_CONFIG, RunConfig, load_config
-from mdc.registry import OBJECTIVES
+from mdc.config import DEFAULT_CONFIG, ConfigError, RunConfig, load_config
+from mdc.data import shards, tuxpaint
+from mdc.data.shapes import write_shapes_dataset
 from mdc.data.storage import join
+from mdc.data.tuxpaint import write_tuxpaint_dataset
+from mdc.evaluation import probe
+from mdc.registry import OBJECTIVES
+from pipelines import reports, tracking
+from pipelines.compare import evaluate_checkpoint
+from pipelines.train import run_training
 
 console = Console(soft_wrap=True)
 
@@ -233,27 +239,19 @@ def _yaml_scalar(value) -> str:
 
 def prepare_data(plan: Plan, out: Path) -> None:
     """Generate the plan's shapes / Tux Paint datasets under OUT/data, once."""
-    from mdc.data import shards
-
     for name, spec in plan.datasets.items():
         root = out / "data" / name
         if spec.kind == "shards" or (root / shards.MANIFEST).is_file():
             continue
         console.print(f"writing dataset {name} ({spec.kind}) to {root}")
         if spec.kind == "shapes":
-            from mdc.data.shapes import write_shapes_dataset
-
             write_shapes_dataset(str(root), num=spec.num, seed=0, max_objects=spec.max_objects)
         else:
-            from mdc.data.tuxpaint import write_tuxpaint_dataset
-
             write_tuxpaint_dataset(str(root))
 
 
 def check_data(plan: Plan) -> None:
     """Fail before anything runs if a Tux Paint dataset has no stamps to read."""
-    from mdc.data import tuxpaint
-
     for name, spec in plan.datasets.items():
         if spec.kind == "tuxpaint" and not Path(tuxpaint.DEFAULT_ROOT).is_dir():
             raise StudyError(f"datasets.{name}.kind: tuxpaint needs Debian's tuxpaint-stamps-default "
@@ -262,10 +260,6 @@ def check_data(plan: Plan) -> None:
 
 def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: str) -> dict:
     """One run's metrics: from its result.json when it finished before, else trained and evaluated."""
-    from pipelines.compare import evaluate_checkpoint
-    from pipelines.evaluate import log_evaluation
-    from pipelines.train import run_training
-
     path = out / "runs" / cfg.name / RESULT
     if path.is_file():
         console.print(f"{cfg.name}: finished before, not rerun")
@@ -282,7 +276,7 @@ def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: 
     metrics.update(final_loss=summary.metrics["loss"], val_loss=summary.metrics.get("val_loss"),
                    train_images_per_s=summary.metrics["images_per_s"])
     numbers = {f"study/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
-    log_evaluation(cfg.mlflow_uri, numbers, [], run_id=summary.mlflow_run_id)
+    tracking.log_evaluation(cfg.mlflow_uri, numbers, [], run_id=summary.mlflow_run_id)
     result = {"arm": arm, "seed": cfg.train.seed, "run_name": cfg.name, "checkpoint": summary.checkpoint_uri,
               "mlflow_run_id": summary.mlflow_run_id, "metrics": metrics}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -292,8 +286,6 @@ def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: 
 
 def random_init_probe(cfg: RunConfig, data_uri: str) -> float:
     """Probe accuracy of the run's architecture at random init (its seed): what training must beat."""
-    from mdc.evaluation import probe
-
     return probe.probe_shapes(probe.random_init(cfg, seed=cfg.train.seed), data_uri, cfg.data.endpoint_url)["accuracy"]
 
 
@@ -301,8 +293,6 @@ def random_init_probe(cfg: RunConfig, data_uri: str) -> float:
 
 def paired_interval(values_a: list[float], values_b: list[float], confidence: float = CONFIDENCE):
     """(mean, low, high) of the paired differences a − b: mean ± t(1 − α/2, n − 1) · sd / √n."""
-    from scipy import stats
-
     if len(values_a) != len(values_b) or len(values_a) < 2:
         raise StudyError(f"paired interval needs two equally long lists of >= 2 values, got "
                          f"{len(values_a)} and {len(values_b)}")
@@ -356,43 +346,17 @@ def results_markdown(plan: Plan, claims: list[dict], wall_s: float) -> str:
              f"{len(plan.seeds)} seeds per arm ({', '.join(map(str, plan.seeds))}); differences a − b paired by seed; "
              f"{int(CONFIDENCE * 100)}% Student-t interval over the paired differences. This launch took "
              f"{wall_s:.0f} s (runs finished before are not rerun).", "",
-             "| claim | metric | a | b | expected | values a | values b | mean a − b | 95% CI | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for c in claims:
-        expected = EXPECT_TEXT[c["expect"]].format(margin=c["margin"]).replace("b", "b" if c["arm_b"] else "0")
-        lines.append(f"| {c['name']} | {c['metric']} | {c['arm_a']} | {c['arm_b'] or '0'} | {expected} | "
-                     f"{', '.join(f'{v:.3f}' for v in c['values_a'])} | {', '.join(f'{v:.3f}' for v in c['values_b'])} | "
-                     f"{c['mean_diff']:+.4f} | [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}] | {c['verdict']} |")
-    return "\n".join(lines) + "\n"
-
-
-def claims_plot(claims: list[dict], path: Path) -> None:
-    """Each claim's interval against 0 (and −margin for `at_least`), coloured by verdict."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colours = {"holds": "tab:green", "reversed": "tab:red", "inconclusive": "tab:gray"}
-    fig, ax = plt.subplots(figsize=(7, 0.6 * len(claims) + 1.2))
-    for y, c in enumerate(reversed(claims)):
-        ax.plot([c["ci_low"], c["ci_high"]], [y, y], color=colours[c["verdict"]], linewidth=3)
-        ax.plot([c["mean_diff"]], [y], "o", color=colours[c["verdict"]])
-        if c["expect"] == "at_least":
-            ax.plot([-c["margin"]], [y], "|", color="black", markersize=12)
-    ax.axvline(0.0, color="black", linewidth=0.8)
-    ax.set_yticks(range(len(claims)), [f"{c['name']} ({c['verdict']})" for c in reversed(claims)], fontsize=8)
-    ax.set_xlabel(f"mean paired difference a − b, {int(CONFIDENCE * 100)}% t interval")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+             ]
+    columns = ("claim", "metric", "a", "b", "expected", "values a", "values b", "mean a − b", "95% CI", "verdict")
+    rows = [[c["name"], c["metric"], c["arm_a"], c["arm_b"] or "0",
+             EXPECT_TEXT[c["expect"]].format(margin=c["margin"]).replace("b", "b" if c["arm_b"] else "0"),
+             ", ".join(f"{v:.3f}" for v in c["values_a"]), ", ".join(f"{v:.3f}" for v in c["values_b"]),
+             f"{c['mean_diff']:+.4f}", f"[{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]", c["verdict"]] for c in claims]
+    return "\n".join(lines) + "\n" + reports.markdown_table(columns, rows)
 
 
 def run_study(plan: Plan, plan_path: Path, out: Path) -> list[dict]:
     """Every run that has no result yet, then the claims; returns one dict per claim."""
-    from pipelines import tracking
-    from pipelines.evaluate import log_evaluation
-
     tic = time.perf_counter()
     out = Path(out).resolve()
     configs = run_configs(plan, plan_path, out)
@@ -410,44 +374,11 @@ def run_study(plan: Plan, plan_path: Path, out: Path) -> list[dict]:
                                                     "interval": "Student t over seed-paired differences",
                                                     "wall_s": wall_s, "claims": claims}, indent=2))
         (out / "results.md").write_text(results_markdown(plan, claims, wall_s))
-        claims_plot(claims, out / "claims.png")
+        reports.claims_png(claims, out / "claims.png", CONFIDENCE)
         metrics = {f"claims/{i}/{k}": c[k] for i, c in enumerate(claims) for k in ("mean_diff", "ci_low", "ci_high")}
-        log_evaluation(mlflow_uri, metrics, [out / "study.json", out / "results.md", out / "claims.png"], run_id=parent)
+        tracking.log_evaluation(mlflow_uri, metrics, [out / "study.json", out / "results.md", out / "claims.png"], run_id=parent)
     except BaseException:
         tracking.finish_run(mlflow_uri, parent, "FAILED")
         raise
     tracking.finish_run(mlflow_uri, parent)
     return claims
-
-
-def print_claims(claims: list[dict]) -> None:
-    table = Table(title="claims (a − b, paired by seed, 95% Student-t interval)")
-    for column in ("claim", "metric", "a", "b", "n", "mean a − b", "95% CI", "verdict"):
-        table.add_column(column)
-    for c in claims:
-        table.add_row(c["name"], c["metric"], c["arm_a"], c["arm_b"] or "0", str(len(c["seeds"])), f"{c['mean_diff']:+.4f}",
-                      f"[{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]", c["verdict"])
-    console.print(table)
-
-
-def study(plan: Path = typer.Option(..., help="study plan YAML (studies/)"),
-          out: Optional[Path] = typer.Option(None, help="runs, MLflow and the report (default: runs/study-NAME)"),
-          address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local")):
-    """Run a study plan: every arm × seed trained through Ray Train (finished runs are not repeated),
-    evaluated, and each claim judged by a Student-t interval over seed-paired differences
-    (study.json, results.md, claims.png; MLflow)."""
-    try:
-        parsed = load_plan(plan)
-        directory = out or Path("runs") / f"study-{parsed.name}"
-        run_configs(parsed, plan, Path(directory).resolve())
-        check_data(parsed)
-    except StudyError as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2)
-    from pipelines.runtime import connect_ray
-
-    connect_ray(address)
-    claims = run_study(parsed, plan, directory)
-    print_claims(claims)
-    console.print(f"report: {Path(directory) / 'results.md'}, {Path(directory) / 'study.json'}, "
-                  f"{Path(directory) / 'claims.png'}")

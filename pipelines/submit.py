@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shlex
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
 
-import typer
 import yaml
 from rich.console import Console
 
@@ -106,63 +103,3 @@ def follow(client, submission_id: str) -> str:
     while (status := str(client.get_job_status(submission_id).value)) not in TERMINAL:
         time.sleep(1)  # the log stream can close a moment before the status is final
     return status
-
-
-def submit(ctx: typer.Context,
-           address: Optional[str] = typer.Option(None, help="Ray dashboard URL, e.g. http://HEAD:8265 "
-                                                 "(default: RAY_ADDRESS, else the local head)"),
-           submission_id: Optional[str] = typer.Option(None, help="stable job id (default: mdc-<run name>)"),
-           working_dir: Path = typer.Option(Path("."), help="uploaded as the job's working directory"),
-           no_upload: bool = typer.Option(False, "--no-upload",
-                                          help="upload nothing: run the code installed in the cluster image"),
-           env: List[str] = typer.Option([], help="KEY=VALUE environment variable for the job (repeatable)"),
-           pip: List[str] = typer.Option([], help="extra pip requirement for the job (repeatable)"),
-           no_wait: bool = typer.Option(False, "--no-wait", help="submit and exit without following the log")):
-    """Run `-- mdc train|scaling ...` as a Ray job on the cluster: idempotent by submission id, follows
-    its log, exits with its outcome."""
-    entrypoint = list(ctx.args)
-    if not entrypoint:
-        console.print("[red]error:[/red] give the command after --, e.g. mdc submit -- mdc train --name run-1")
-        raise typer.Exit(2)
-    upload = None if no_upload else working_dir
-    if submission_id is None:
-        name = run_name_of(entrypoint, upload)
-        if name is None:
-            console.print("[red]error:[/red] the command names no run (--name or a config with `name`): "
-                          "give --submission-id")
-            raise typer.Exit(2)
-        submission_id = default_submission_id(name)
-    try:
-        environment = runtime_env(upload, env, pip)
-    except ValueError as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2)
-
-    from ray.job_submission import JobSubmissionClient
-
-    try:
-        client = JobSubmissionClient(address)
-        statuses = {job.submission_id: str(job.status.value)
-                    for job in client.list_jobs() if job.submission_id}
-    except ConnectionError as err:
-        console.print(f"[red]error:[/red] no Ray job server at {address or 'RAY_ADDRESS / local head'}: {err}")
-        raise typer.Exit(2)
-
-    plan = plan_submission(submission_id, statuses)
-    if plan.action == "done":
-        console.print(f"{plan.submission_id} already SUCCEEDED: nothing to do")
-        return
-    if plan.action == "follow":
-        console.print(f"{plan.submission_id} is {plan.status}: following it instead of submitting again")
-    else:
-        if plan.status:
-            console.print(f"{submission_id}: the last attempt {plan.status}; resubmitting as {plan.submission_id}")
-        client.submit_job(entrypoint=shlex.join(entrypoint), submission_id=plan.submission_id,
-                          runtime_env=environment, metadata={"mdc.submission": submission_id})
-        console.print(f"submitted {plan.submission_id}: {shlex.join(entrypoint)}")
-    if no_wait:
-        return
-    status = follow(client, plan.submission_id)
-    console.print(f"{plan.submission_id} {status}")
-    if status != "SUCCEEDED":
-        raise typer.Exit(1)

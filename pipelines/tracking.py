@@ -1,15 +1,17 @@
-"""MLflow helpers: one run per training run name, so a relaunch logs into the same run."""
+"""Every MLflow write goes through here: one run per training run name, so a relaunch logs into the
+same run; evaluations into the training run or a run of their own; artifacts; the history reports plot."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Iterable, Sequence
 
-import mlflow
-from mlflow.entities import Metric
+from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 RUN_NAME_TAG = "mdc.run_name"
+EVAL_EXPERIMENT = "mdc-eval"  # evaluations of a checkpoint given without a run to log into
 
 
 def absolute_tracking_uri(uri: str) -> str:
@@ -42,13 +44,21 @@ def artifact_location(tracking_uri: str) -> str | None:
     return None
 
 
+def _params(params: dict) -> list[Param]:
+    return [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]  # MLflow caps a value at 6000
+
+
+def experiment_id(client: MlflowClient, tracking_uri: str, experiment: str) -> str:
+    exp = client.get_experiment_by_name(experiment)
+    return exp.experiment_id if exp else client.create_experiment(
+        experiment, artifact_location=artifact_location(tracking_uri))
+
+
 def get_or_create_run(tracking_uri: str, experiment: str, run_name: str, params: dict,
                       parent_run_id: str | None = None) -> str:
     """The id of the MLflow run tagged with `run_name` in `experiment`, created if absent."""
     client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(
-        experiment, artifact_location=artifact_location(tracking_uri))
+    exp_id = experiment_id(client, tracking_uri, experiment)
     found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'",
                                max_results=1)
     if found:
@@ -58,8 +68,7 @@ def get_or_create_run(tracking_uri: str, experiment: str, run_name: str, params:
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     run = client.create_run(exp_id, tags=tags)
-    client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, str(v)[:6000])
-                                              for k, v in flatten(params).items()])
+    client.log_batch(run.info.run_id, params=_params(params))
     return run.info.run_id
 
 
@@ -73,6 +82,9 @@ class MetricLogger:
         now = int(time.time() * 1000)
         self.pending += [Metric(k, float(v), now, step) for k, v in metrics.items()]
 
+    def set_tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, value)
+
     def flush(self) -> None:
         for i in range(0, len(self.pending), 900):  # MLflow caps a batch at 1000 metrics
             self.client.log_batch(self.run_id, metrics=self.pending[i:i + 900])
@@ -82,3 +94,50 @@ class MetricLogger:
 def finish_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
     MlflowClient(tracking_uri).set_terminated(run_id, status=status)
 
+
+def log_metrics(tracking_uri: str, run_id: str, metrics: dict, step: int = 0) -> None:
+    logger = MetricLogger(tracking_uri, run_id)
+    logger.log(metrics, step)
+    logger.flush()
+
+
+def log_artifacts(tracking_uri: str, run_id: str, paths: Iterable[Path], artifact_path: str | None = None) -> None:
+    client = MlflowClient(tracking_uri)
+    for path in paths:
+        client.log_artifact(run_id, str(path), artifact_path=artifact_path)
+
+
+def log_evaluation(tracking_uri: str, metrics: dict, artifacts: list[Path], run_id: str | None = None,
+                   run_name: str = "eval", params: dict | None = None) -> str:
+    """Metrics and artifacts (under eval/) into run_id, or into a new finished run of mdc-eval.
+    Parameters go to new runs only: a training run's parameters are fixed."""
+    tracking_uri = absolute_tracking_uri(tracking_uri)
+    created = run_id is None
+    if created:
+        client = MlflowClient(tracking_uri)
+        run_id = client.create_run(experiment_id(client, tracking_uri, EVAL_EXPERIMENT), run_name=run_name).info.run_id
+        client.log_batch(run_id, params=_params(params or {}))
+    log_metrics(tracking_uri, run_id, metrics)
+    log_artifacts(tracking_uri, run_id, artifacts, "eval")
+    if created:
+        finish_run(tracking_uri, run_id)
+    return run_id
+
+
+def kill_children(tracking_uri: str, parent_run_id: str, stopped: set[str]) -> None:
+    """Children of a sweep that a scheduler stopped end KILLED: those left RUNNING (their driver
+    killed before closing the run) and the FAILED ones named in `stopped` (their trainer torn down
+    first); a child that failed on its own stays FAILED."""
+    client = MlflowClient(tracking_uri)
+    for child in client.search_runs([client.get_run(parent_run_id).info.experiment_id],
+                                    filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'"):
+        name = child.data.tags.get(RUN_NAME_TAG)
+        if child.info.status == "RUNNING" or (child.info.status == "FAILED" and name in stopped):
+            client.set_terminated(child.info.run_id, status="KILLED")
+
+
+def metric_history(tracking_uri: str, run_id: str, keys: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) pairs of each metric the run logged, by step."""
+    client = MlflowClient(tracking_uri)
+    history = {key: sorted({m.step: m.value for m in client.get_metric_history(run_id, key)}.items()) for key in keys}
+    return {key: points for key, points in history.items() if points}

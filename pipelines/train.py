@@ -28,23 +28,30 @@ import torch
 import torch.distributed as dist
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from mdc.train import checkpoint as ckpt
-from mdc.data import shards, storage
-from mdc.config import ObjectiveConfig, RunConfig, dump_config
-from mdc.data.images import normalize
 from mdc import registry
+from mdc.config import ObjectiveConfig, RunConfig, dump_config
+from mdc.data import shards, storage
+from mdc.data.images import normalize
+from mdc.data.tokenizer import CaptionTokenizer
 from mdc.models.captioner import PRESETS
 from mdc.registry import build_model, compute_loss
+from mdc.train import checkpoint as ckpt
 from mdc.train.fsdp import prepare_model
-from mdc.data.tokenizer import CaptionTokenizer
 from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step
 from pipelines import progress, reports, tracking
 from pipelines.console import console
-from pipelines.ingest import (BatchFeed, DataStallError, ShardSkips, SkipCounter, ask, build_dataset,
-                              describe_stall, ingest_resources)
+from pipelines.ingest import (
+    BatchFeed,
+    DataStallError,
+    ShardSkips,
+    SkipCounter,
+    ask,
+    build_dataset,
+    describe_stall,
+    ingest_resources,
+)
 from pipelines.position import DataPosition, ShardTally, fingerprint, resume_point
 from pipelines.runtime import absolute_paths, check_inputs
-
 
 SKIPPED = "skipped_by_shard"  # rank 0's extra state in a checkpoint: SkipCounts.by_shard
 
@@ -161,7 +168,7 @@ def train_loop(loop_config: dict) -> None:
         reporter = progress.Reporter(loop_config["progress"], cfg.name, tc.steps)
         if restored is not None:
             logger.log({"resumed_from_step": step, "resumed_param_norm": restored_norm}, step)
-            logger.client.set_tag(logger.run_id, "resumed_from", restored)
+            logger.set_tag("resumed_from", restored)
 
     val_batches = []
     if cfg.data.val_uri:
@@ -357,7 +364,7 @@ def log_training_report(cfg: RunConfig, summary: TrainSummary, reporter: progres
     try:
         with tempfile.TemporaryDirectory() as directory:
             paths = reports.training_report(cfg, summary, Path(directory))
-            reports.log_artifacts(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id, paths)
+            tracking.log_artifacts(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id, paths, "report")
     except Exception as err:
         reporter.note(f"no training report: {type(err).__name__}: {err}", warning=True)
 

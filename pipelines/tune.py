@@ -11,8 +11,6 @@ rank 0 reports its progress to one display on the driver's console.
 
 from __future__ import annotations
 
-import csv
-import io
 import posixpath
 import random
 import tempfile
@@ -20,15 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from mlflow.tracking import MlflowClient
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-from mdc.train.checkpoint import load_pretrained
 from mdc.config import RunConfig, apply_overrides, build_config
 from mdc.evaluation.probe import probe_shapes
-from pipelines import progress, tracking
+from mdc.train.checkpoint import load_pretrained
+from pipelines import progress, reports, tracking
 from pipelines.console import console, first_line_of
 from pipelines.runtime import absolute_paths
 from pipelines.search_space import SearchSpace, _copy, to_override_list
@@ -77,8 +74,7 @@ def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str, channel)
     logger = tracking.MetricLogger(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id)
     logger.log({k: v for k, v in final.items() if v is not None}, cfg.train.steps)
     logger.flush()
-    MlflowClient(tracking.absolute_tracking_uri(cfg.mlflow_uri)).set_tag(
-        summary.mlflow_run_id, "checkpoint", summary.checkpoint_uri)
+    logger.set_tag("checkpoint", summary.checkpoint_uri)
     progress.Reporter(channel, cfg.name, cfg.train.steps).note(f"probe accuracy {probe['accuracy']:.3f}")
     tune.report({**{k: v for k, v in final.items() if v is not None}, "trial_completed": True})
 
@@ -130,50 +126,16 @@ def results_rows(results: tune.ResultGrid, space: SearchSpace) -> list[dict]:
 def write_artifacts(rows: list[dict], space: SearchSpace, directory: Path) -> list[Path]:
     """results.csv, results.md and a plot of the ranking metric and the early-stopping metric
     against the first swept parameter."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     columns = list(rows[0]) if rows else []
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(rows)
-    (directory / "results.csv").write_text(buf.getvalue())
-    table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    table += ["| " + " | ".join(_fmt(r[c]) for c in columns) + " |" for r in rows]
-    (directory / "results.md").write_text("\n".join(table) + "\n")
-
+    reports.write_csv(directory / "results.csv", columns, rows)
+    (directory / "results.md").write_text(reports.markdown_table(columns, [[_fmt(r[c]) for c in columns] for r in rows]))
     x_key = next(k for k in columns if k not in ("trial_id", "iterations"))
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for ax, metric in zip(axes, (space.rank_by, space.metric)):
-        points = [(r[x_key], r[metric]) for r in rows if r[metric] is not None]
-        labels = [str(x) for x, _ in points]
-        ax.bar(range(len(points)), [y for _, y in points], tick_label=labels)
-        ax.set_xlabel(x_key)
-        ax.set_ylabel(metric)
-        ax.tick_params(axis="x", rotation=30)
-    fig.suptitle(f"sweep {space.name}")
-    fig.tight_layout()
-    fig.savefig(directory / "sweep.png", dpi=120)
-    plt.close(fig)
+    reports.sweep_png(rows, x_key, (space.rank_by, space.metric), directory / "sweep.png", f"sweep {space.name}")
     return [directory / "results.csv", directory / "results.md", directory / "sweep.png"]
 
 
 def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def mark_stopped_trials(client: MlflowClient, parent_run_id: str, sweep: str, rows: list[dict]) -> None:
-    """A trial the scheduler stopped is KILLED in MLflow. Its driver may have been killed before
-    closing the run (left RUNNING) or seen its trainer torn down first (closed it as FAILED)."""
-    stopped = {trial_run_name(sweep, r["trial_id"]) for r in rows if r["stopped_early"]}
-    for child in client.search_runs([client.get_run(parent_run_id).info.experiment_id],
-                                    filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'"):
-        name = child.data.tags.get(tracking.RUN_NAME_TAG)
-        if child.info.status == "RUNNING" or (child.info.status == "FAILED" and name in stopped):
-            client.set_terminated(child.info.run_id, status="KILLED")
 
 
 def run_sweep(space: SearchSpace, base_cfg: RunConfig, num_samples: int | None = None,
@@ -189,18 +151,16 @@ def run_sweep(space: SearchSpace, base_cfg: RunConfig, num_samples: int | None =
     with progress.ProgressDisplay(channel, console):
         results = build_tuner(space, base_cfg, parent, num_samples, max_concurrent, channel, verbose).fit()
     rows = results_rows(results, space)
-    client = MlflowClient(mlflow_uri)
-    mark_stopped_trials(client, parent, sweep, rows)
+    tracking.kill_children(mlflow_uri, parent, {trial_run_name(sweep, r["trial_id"]) for r in rows if r["stopped_early"]})
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_artifacts(rows, space, Path(tmp)) if rows else []
         (Path(tmp) / "space.yaml").write_text(yaml.safe_dump(space.model_dump(), sort_keys=False))
         paths.append(Path(tmp) / "space.yaml")
-        for path in paths:
-            client.log_artifact(parent, str(path))
+        tracking.log_artifacts(mlflow_uri, parent, paths)
     ranked = [r for r in rows if r[space.rank_by] is not None]
     best = max(ranked, key=lambda r: r[space.rank_by]) if ranked else None
     if best:
-        client.log_metric(parent, f"best_{space.rank_by}", best[space.rank_by])
+        tracking.log_metrics(mlflow_uri, parent, {f"best_{space.rank_by}": best[space.rank_by]})
     tracking.finish_run(mlflow_uri, parent)
     failures = [(r["trial_id"] or posixpath.basename(posixpath.dirname(r["error_file"])), r["error"], r["error_file"])
                 for r in rows if r["error"]]

@@ -8,10 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from mdc.train import checkpoint as ckpt
 from mdc.data import storage
+from mdc.train import checkpoint as ckpt
 from mdc.train.step import EMA
-
 
 pytestmark = pytest.mark.usefixtures("gloo_process_group")  # DCP and the commit barrier are collectives
 

@@ -1,9 +1,10 @@
 import pytest
 
-from mdc.config import ConfigError, RunConfig, build_config, dump_config, load_config
+from mdc.config import DEFAULT_CONFIG, ConfigError, RunConfig, build_config, dump_config, load_config
 
 
-def test_defaults_validate():
+def test_defaults_are_the_demo_config():
+    assert load_config(DEFAULT_CONFIG) == RunConfig()
     cfg = load_config()
     assert cfg == RunConfig()
     assert cfg.objective.name == "mdc"

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mdc.data import shards
-from mdc.data import shapes, tuxpaint
+from mdc.data import shapes, shards, tuxpaint
 from mdc.data.images import decode_image
 
 OBJECT = r"a (small|large) (red|green|blue|yellow) (circle|square|triangle)"

@@ -12,13 +12,20 @@ from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
+from test_shards import tar_of
 
 from mdc.data import shards, storage
-from mdc.data.img2dataset import (FAILED_TO_DOWNLOAD, FAILED_TO_RESIZE, META_SCHEMA, damage_folder,
-                                      generated_rows, sample_key, write_img2dataset_folder)
 from mdc.data.images import preprocess_batch
+from mdc.data.img2dataset import (
+    FAILED_TO_DOWNLOAD,
+    FAILED_TO_RESIZE,
+    META_SCHEMA,
+    damage_folder,
+    generated_rows,
+    sample_key,
+    write_img2dataset_folder,
+)
 from pipelines.ingest import BatchFeed, DataStallError, ingest_resources
-from test_shards import tar_of
 
 ROWS = generated_rows(60, image_size=32)  # 44 successes, 8 failed downloads, 8 failed resizes
 SUCCESSES = sum(r.jpg is not None for r in ROWS)

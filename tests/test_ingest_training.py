@@ -8,8 +8,8 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from mdc.data import shards, storage
 from mdc.config import load_config
+from mdc.data import shards, storage
 from mdc.data.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
 from pipelines import train
 from pipelines.ingest import DataStallError

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from mdc.config import load_config
+from mdc.data.tokenizer import CaptionTokenizer
 from mdc.models.captioner import SINCOS_GAIN, Captioner
 from mdc.registry import build_model
-from mdc.data.tokenizer import CaptionTokenizer
 
 MASK, PAD = 49408, 49409
 

@@ -7,10 +7,10 @@ import torch
 from PIL import Image, ImageDraw
 
 from mdc.config import ObjectiveConfig, OptimConfig
+from mdc.data.tokenizer import CaptionTokenizer
 from mdc.models.captioner import Captioner
 from mdc.sampling import generate_autoregressive, sample_masked
 from mdc.scoring import autoregressive_score, monte_carlo_elbo, pseudo_log_likelihood
-from mdc.data.tokenizer import CaptionTokenizer
 from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step, warmup_cosine
 
 COLOURS = {"red": (230, 25, 25), "blue": (25, 50, 230), "green": (20, 170, 40), "yellow": (240, 220, 20),

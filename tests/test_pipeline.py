@@ -13,10 +13,10 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from mdc.train import checkpoint as ckpt
-from mdc.data import shards, storage
 from mdc.config import load_config
+from mdc.data import shards, storage
 from mdc.data.shapes import write_shapes_dataset
+from mdc.train import checkpoint as ckpt
 from pipelines.runtime import ray_output_to
 from pipelines.train import Fault, run_training
 

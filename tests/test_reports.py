@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 from mlflow.tracking import MlflowClient
 
-from mdc.data import shards
 from mdc.config import load_config
+from mdc.data import shards
 from mdc.evaluation import captioning
 from pipelines import reports, tracking
 from pipelines.demo import write_report
@@ -49,4 +49,4 @@ def test_curves_follow_the_logged_history(tmp_path):
     logger.log({"loss": 3.0}, 1)
     logger.log({"loss": 2.0, "val_loss": 2.5}, 2)
     logger.flush()
-    assert reports.metric_history(uri, run_id) == {"loss": [(1, 3.0), (2, 2.0)], "val_loss": [(2, 2.5)]}
+    assert tracking.metric_history(uri, run_id, reports.CURVES) == {"loss": [(1, 3.0), (2, 2.0)], "val_loss": [(2, 2.5)]}

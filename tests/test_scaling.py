@@ -11,8 +11,7 @@ from typer.testing import CliRunner
 from mdc.data import shards
 from pipelines.cli import app
 from pipelines.ingest import Subset
-from pipelines.scaling import (ScalingError, parse_sizes, read_dataset_manifest, size_label, split_total,
-                               subset_fraction)
+from pipelines.scaling import ScalingError, parse_sizes, read_dataset_manifest, size_label, split_total, subset_fraction
 
 
 def test_sizes_parse_with_suffixes():

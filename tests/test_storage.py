@@ -5,8 +5,7 @@ import time
 
 import pytest
 
-from mdc.data import shards, storage
-from mdc.data import shapes
+from mdc.data import shapes, shards, storage
 from mdc.data.shards import Sample
 
 PNG = shapes.make_shape(0, seed=0).image

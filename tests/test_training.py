@@ -7,10 +7,10 @@ import warnings
 import pytest
 import torch
 
-from mdc.train.checkpoint import full_weights
 from mdc.config import ConfigError, ObjectiveConfig, OptimConfig, load_config
 from mdc.models.captioner import Captioner
 from mdc.registry import compute_loss
+from mdc.train.checkpoint import full_weights
 from mdc.train.fsdp import apply_fsdp, compile_available, prepare_model
 from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step
 

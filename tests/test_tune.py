@@ -77,7 +77,6 @@ def test_shipped_spaces_load():
 
 def test_stopped_trials_are_killed_and_errored_ones_stay_failed(tmp_path):
     from pipelines import tracking
-    from pipelines.tune import mark_stopped_trials
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -88,7 +87,7 @@ def test_stopped_trials_are_killed_and_errored_ones_stay_failed(tmp_path):
     tracking.finish_run(uri, runs["d"])
     rows = [{"trial_id": "a", "stopped_early": True}, {"trial_id": "b", "stopped_early": True},
             {"trial_id": "c", "stopped_early": False}, {"trial_id": "d", "stopped_early": False}]
-    mark_stopped_trials(client, parent, "s", rows)
+    tracking.kill_children(uri, parent, {f"s-{r['trial_id']}" for r in rows if r["stopped_early"]})
     status = {name: client.get_run(run_id).info.status for name, run_id in runs.items()}
     assert status == {"a": "KILLED", "b": "KILLED", "c": "FAILED", "d": "FINISHED"}
 

@@ -18,7 +18,7 @@ CLIP_BPE_MERGES = 49152 - 256 - 2  # the merges CLIP uses from the file (open_cl
 
 
 def bpe_file() -> Path:
-    import open_clip
+    import open_clip  # seconds to import, only to find the vocabulary file it ships
 
     path = Path(open_clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
     if not path.is_file():
@@ -36,7 +36,7 @@ def _bytes_to_unicode() -> list[str]:
 
 @lru_cache(maxsize=1)
 def _clip_fast_tokenizer():
-    from transformers import CLIPTokenizerFast
+    from transformers import CLIPTokenizerFast  # seconds to import: once, when the tokenizer is first built
 
     lines = gzip.open(bpe_file(), "rt", encoding="utf-8").read().split("\n")
     merges = [tuple(m.split()) for m in lines[1:CLIP_BPE_MERGES + 1]]

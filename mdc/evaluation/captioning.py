@@ -1,4 +1,4 @@
-"""Caption quality (SPEC §9): write captions at N' = 10, 15, 20 and score them with BLEU-4 and CIDEr-D.
+"""Caption quality (docs/design.md §9): write captions at N' = 10, 15, 20 and score them with BLEU-4 and CIDEr-D.
 
 Scores come from pycocoevalcap's `Bleu(4)` and `Cider` (the latter is CIDEr-D: clipped counts and a
 length penalty, as in the COCO evaluation server). COCO's PTBTokenizer needs Java, so captions are
@@ -18,12 +18,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from pycocoevalcap.bleu.bleu import Bleu
+from pycocoevalcap.cider.cider import Cider
 
 from mdc import registry
-from mdc.evaluation.probe import preprocess
 from mdc.data.shards import Sample
 from mdc.data.tokenizer import CaptionTokenizer
-
+from mdc.evaluation.probe import preprocess
 
 
 def normalize_caption(text: str) -> str:
@@ -33,9 +34,6 @@ def normalize_caption(text: str) -> str:
 
 def caption_metrics(candidates: dict, references: dict) -> dict:
     """BLEU-4 and CIDEr-D of one candidate per id against that id's list of references."""
-    from pycocoevalcap.bleu.bleu import Bleu
-    from pycocoevalcap.cider.cider import Cider
-
     if set(candidates) != set(references):
         raise ValueError("candidates and references must have the same ids")
     res = {k: [normalize_caption(c)] for k, c in candidates.items()}

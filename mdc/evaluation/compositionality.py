@@ -1,4 +1,4 @@
-"""Vision–language compositionality: ARO and SugarCrepe in their published JSON layouts (SPEC §9).
+"""Vision–language compositionality: ARO and SugarCrepe in their published JSON layouts (docs/design.md §9).
 
 Each test item is an image with its true caption and one or more manipulated ones; the model is
 right when the true caption scores strictly above every manipulated one (ties count as wrong).
@@ -24,7 +24,7 @@ Layouts (ROOT is --root; images are looked up in IMAGES, default ROOT/images):
 - SugarCrepe: ROOT/{add_att,add_obj,replace_att,replace_obj,replace_rel,swap_att,swap_obj}.json, a dict
   of {filename, caption, negative_caption} (filename relative to IMAGES, COCO val2017 for the real set).
 
-Scorers estimate log p(caption | image) (SPEC §5) and are looked up by name in `SCORERS`, so other
+Scorers estimate log p(caption | image) (docs/design.md §5) and are looked up by name in `SCORERS`, so other
 model kinds (CLIP's image–text cosine) plug in with `register_scorer`.
 """
 
@@ -33,19 +33,22 @@ from __future__ import annotations
 import json
 import random
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 
-from mdc.evaluation.readers import DatasetFormatError, load_image
-from mdc.data.images import ImageTransform
 from mdc import registry
-from mdc.scoring import (autoregressive_score, cosine_scores, denoising_scores, monte_carlo_elbo,
-                         pseudo_log_likelihood)
+from mdc.data import storage
+from mdc.data.images import ImageTransform
+from mdc.data.shapes import COMPOSITIONALITY_DIR
 from mdc.data.tokenizer import CaptionTokenizer
+from mdc.evaluation.readers import DatasetFormatError, load_image
+from mdc.scoring import autoregressive_score, cosine_scores, denoising_scores, monte_carlo_elbo, pseudo_log_likelihood
 
 ARO_FILES = {
     "vg_relation": "visual_genome_relation.json",
@@ -151,6 +154,7 @@ def order_perturbations(caption: str, tagger: Callable[[list[str]], list[str]], 
 def spacy_tagger() -> Callable[[list[str]], list[str]]:
     """Penn Treebank tags from spaCy's en_core_web_sm, as ARO uses."""
     try:
+        # optional: only the word-order subsets need spaCy and its English model
         import spacy
         from spacy.tokens import Doc
 
@@ -222,7 +226,7 @@ def register_scorer(name: str, extra_terms: int | None = 0):
 
 
 def get_scorer(name: str, objective: str) -> tuple[str, ScoreFn]:
-    """(resolved name, scorer); "auto" picks the scorer of the model's objective (SPEC §5)."""
+    """(resolved name, scorer); "auto" picks the scorer of the model's objective (docs/design.md §5)."""
     if name == "auto":
         name = registry.objective(objective).scorer
     if name not in SCORERS:
@@ -347,16 +351,12 @@ def evaluate_compositionality(model, subsets: dict[str, list[Item]], score: Scor
 
 
 def evaluate_shapes(model, objective: str, data_uri: str, endpoint_url: str | None = None, scorer: str = "auto",
-                    samples: int = 16, limit: int | None = None, normalize: str = "none") -> dict:
+                    samples: int = 16, limit: int | None = None, normalize: str = "none", seed: int = 0,
+                    benchmarks: Sequence[str] = BENCHMARKS) -> dict:
     """ARO and SugarCrepe on the pairs `write_shapes_dataset` puts in DATA/compositionality (local
-    or s3://; a bucket's copy is downloaded to a temporary folder first)."""
-    import tempfile
-
-    import pyarrow.fs as pafs
-
-    from mdc.data import storage
-    from mdc.data.shapes import COMPOSITIONALITY_DIR
-
+    or s3://; a bucket's copy is downloaded to a temporary folder first): one result over every
+    subset, keyed BENCHMARK/SUBSET, so its macro averages span them all; the demo, `mdc compare` and
+    `mdc study` all evaluate the shapes pairs here."""
     name, score = get_scorer(scorer, objective)
     source = storage.join(data_uri, COMPOSITIONALITY_DIR)
     with tempfile.TemporaryDirectory() as tmp:
@@ -365,6 +365,7 @@ def evaluate_shapes(model, objective: str, data_uri: str, endpoint_url: str | No
             fs, path = storage.open_fs(source, endpoint_url)
             pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
             root = Path(tmp)
-        results = {benchmark: evaluate_compositionality(model, read_benchmark(benchmark, root), score, samples,
-                                                        limit=limit, normalize=normalize) for benchmark in BENCHMARKS}
-    return {"scorer": name, **results}
+        items = {f"{benchmark}/{subset}": subset_items for benchmark in benchmarks
+                 for subset, subset_items in read_benchmark(benchmark, root).items()}
+        return {"scorer": name, **evaluate_compositionality(model, items, score, samples, seed=seed, limit=limit,
+                                                            normalize=normalize)}

@@ -1,7 +1,7 @@
 """Caption infilling (DDCap's evaluation): a contiguous span of each image's first reference caption
 is replaced by [MASK], the masked sampler fills it (the given tokens stay fixed), and the filled
 captions are scored with BLEU-4 and CIDEr-D against all references of the image — the infilled
-one included, as in DDCap, so the numbers sit far above free captioning (SPEC §10: CIDEr 230.3).
+one included, as in DDCap, so the numbers sit far above free captioning (docs/design.md §10: CIDEr 230.3).
 
 Only masked-diffusion models infill: autoregressive decoding cannot condition on the right context.
 """
@@ -12,11 +12,11 @@ from typing import Sequence
 
 import torch
 
-from mdc.registry import MASKED_OBJECTIVES
+from mdc.data.tokenizer import CaptionTokenizer
 from mdc.evaluation.captioning import CaptionImage, caption_metrics
 from mdc.evaluation.probe import preprocess
+from mdc.registry import MASKED_OBJECTIVES
 from mdc.sampling import sample_masked
-from mdc.data.tokenizer import CaptionTokenizer
 
 
 def mask_span(tokens: torch.Tensor, ratio: float, mask_id: int, pad_id: int,

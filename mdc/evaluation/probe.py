@@ -1,4 +1,4 @@
-"""Linear probe (SPEC §9): freeze the encoder, pool its output, fit a logistic regression.
+"""Linear probe (docs/design.md §9): freeze the encoder, pool its output, fit a logistic regression.
 
 Features are the model's `encode_image` (mean of the normalised patch features), standardised with
 the training split's statistics. The inverse regularisation C is chosen on a held-out part of the
@@ -18,8 +18,10 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
 
-from mdc.evaluation.readers import ImageSource, Split, load_image, read_split
 from mdc.data.images import ImageTransform
+from mdc.data.tokenizer import CaptionTokenizer
+from mdc.evaluation.readers import ImageSource, Split, load_image, read_split
+from mdc.registry import build_model
 
 DEFAULT_CS = tuple(np.logspace(-3, 2, 6))  # 1e-3 .. 1e2
 
@@ -70,9 +72,6 @@ def linear_probe(train: Split, test: Split, features: Callable[[Split], np.ndarr
 
 def random_init(cfg, seed: int = 0):
     """The same architecture with fresh random weights: the baseline a probe must beat."""
-    from mdc.registry import build_model
-    from mdc.data.tokenizer import CaptionTokenizer
-
     torch.manual_seed(seed)
     return build_model(cfg, CaptionTokenizer).eval()
 

@@ -36,14 +36,8 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-# Fixed 2D sin-cos positions (MAE; Big Vision's ViT, which CapPa trains) at this gain: timm's learned
-# table starts at std 0.02 against patch embeddings of RMS ~1, and a captioner trained from scratch on
-# small data then learns *what* is in the image but not *where*. Measured on shapes with 64-patch tiny
-# encoders: masked colour words bound to the right object 0.60 of the time (chance) after 1,500 steps
-# with the learned table, 0.61 after 200 steps at gain 1, 0.99 after 200 at gains 2 and 3; `mdc demo`
-# probed 0.09 above random init at gain 2, 0.14 at gain 3 (one run each). The price: objectives that
-# tell images apart by their pooled feature start slower (CLIP overfitting 4 images: 15 steps at lr
-# 3e-3 with the learned table; at gain 3 it stalls at lr 3e-3 and needs 60 steps at lr 1e-3).
+# Fixed 2D sin-cos positions at this gain (timm's learned table, std 0.02, learns what but not where);
+# why: see docs/design.md §11, 'Encoder positions'
 SINCOS_GAIN = 3.0
 
 

@@ -1,4 +1,4 @@
-"""CLIP-Diffusion-LM (SPEC §4): continuous Gaussian diffusion over the decoder's token embeddings,
+"""CLIP-Diffusion-LM (docs/design.md §4): continuous Gaussian diffusion over the decoder's token embeddings,
 conditioned on the image, a variant objective and sampler of the same decoder (`objective.name=cdlm`).
 
 - x0: the caption's token embeddings, each normalised to norm √D — unit variance per dimension like

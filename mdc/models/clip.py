@@ -1,4 +1,4 @@
-"""CLIP baseline (SPEC §3): a contrastive image–text dual encoder with open_clip's text transformer
+"""CLIP baseline (docs/design.md §3): a contrastive image–text dual encoder with open_clip's text transformer
 and loss around the captioner's own timm ViT, so that probes compare the same encoder trained by
 different objectives.
 

@@ -1,4 +1,4 @@
-"""The autoregressive objectives (SPEC §3): captioning by next-token prediction (Cap) and CapPa, which
+"""The autoregressive objectives (docs/design.md §3): captioning by next-token prediction (Cap) and CapPa, which
 trains part of the captions by parallel prediction from all-[MASK] inputs.
 
 `tokens` is a (B, L) tensor of caption tokens padded with `pad_id` on the right, without BOS/EOS:

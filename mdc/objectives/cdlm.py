@@ -1,4 +1,4 @@
-"""The continuous-diffusion objective of CLIP-Diffusion-LM (SPEC §4), on a
+"""The continuous-diffusion objective of CLIP-Diffusion-LM (docs/design.md §4), on a
 `mdc.models.cdlm.DiffusionLMCaptioner`: MSE(x̂0, x0) + the rounding cross-entropy, t ~ U[0, 1]."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The contrastive objective of the CLIP baseline (SPEC §3): open_clip's `ClipLoss` (symmetric
+"""The contrastive objective of the CLIP baseline (docs/design.md §3): open_clip's `ClipLoss` (symmetric
 cross-entropy, learned temperature) over the local batch of a `mdc.models.clip.ClipModel`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The masked objectives (SPEC §3): MDC, its "no t" ablation CMLM and image-conditioned BERT.
+"""The masked objectives (docs/design.md §3): MDC, its "no t" ablation CMLM and image-conditioned BERT.
 
 `tokens` everywhere is a (B, L) tensor of caption tokens padded with `pad_id` on the right (no BOS/
 EOS: the autoregressive objectives, mdc/objectives/autoregressive.py, add them). Pad positions are never masked, never predicted and

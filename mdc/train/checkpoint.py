@@ -38,7 +38,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from mdc.config import load_config
 from mdc.data import storage
+from mdc.data.tokenizer import CaptionTokenizer
+from mdc.registry import build_model
 
 TRAINER_STATE = "trainer_state.json"
 WEIGHTS = "model.safetensors"
@@ -280,10 +283,6 @@ def fetch_checkpoint(uri: str | Path, endpoint_url: str | None = None, cache_dir
 def load_pretrained(directory: str | Path, device: str = "cpu", endpoint_url: str | None = None,
                     cache_dir: str | Path | None = None):
     """(model in eval mode, RunConfig) from an exported checkpoint directory (local or s3://)."""
-    from mdc.config import load_config
-    from mdc.registry import build_model
-    from mdc.data.tokenizer import CaptionTokenizer
-
     directory = fetch_checkpoint(directory, endpoint_url, cache_dir)
     for name in (WEIGHTS, CONFIG):
         if not (directory / name).is_file():

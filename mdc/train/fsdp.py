@@ -60,8 +60,7 @@ def apply_fsdp(model, bf16: bool) -> None:
     `fsdp_forward_methods`, so FSDP unshards the root around that call too.
 
     Blocks stay gathered from forward to backward (`reshard_after_forward=False`): one all-gather
-    per step instead of two. The gathered copy is the model's size (0.6 GB for ViT-L/14 in bf16),
-    small beside activations; on 2 CPU workers it raised Ray/plain img/s from 0.78–0.83 to 0.85–0.87.
+    per step instead of two; why: docs/design.md §11, 'FSDP resharding'.
     """
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()

@@ -1,0 +1,23 @@
+"""`mdc` command line: the Typer commands, apart from the Ray programs they start (pipelines/*.py).
+ Configs and inputs are checked before Ray starts; a user error is one line
+and exit code 2, a run in which everything failed exit code 1."""
+
+from __future__ import annotations
+
+import typer
+
+from pipelines.cli import runs
+from pipelines.cli.data import data_app
+from pipelines.cli.evaluate import eval_app
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app.add_typer(data_app, name="data")
+app.add_typer(eval_app, name="eval")
+EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}  # `section.key=value` overrides
+app.command(context_settings=EXTRA_ARGS)(runs.train)
+app.command(context_settings=EXTRA_ARGS)(runs.tune)
+app.command()(runs.demo)
+app.command(context_settings=EXTRA_ARGS)(runs.compare)
+app.command(context_settings=EXTRA_ARGS)(runs.scaling)
+app.command()(runs.study)
+app.command(context_settings=EXTRA_ARGS)(runs.submit)
