@@ -285,8 +285,19 @@ def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: 
 
 
 def random_init_probe(cfg: RunConfig, data_uri: str) -> float:
-    """Probe accuracy of the run's architecture at random init (its seed): what training must beat."""
-    return probe.probe_shapes(probe.random_init(cfg, seed=cfg.train.seed), data_uri, cfg.data.endpoint_url)["accuracy"]
+    """Probe accuracy of the run's architecture at random init (its seed): what training must beat.
+    Runs whose models are built alike (the registry's builder, the model section, the caption
+    length, a null image or not) with the same seed on the same data have the same random weights,
+    so they share one probe."""
+    key = (id(OBJECTIVES[cfg.objective.name].build), cfg.model.model_dump_json(), cfg.data.max_length,
+           cfg.objective.image_free_prob > 0, cfg.train.seed, data_uri)
+    if key not in _RANDOM_INIT_PROBES:
+        model = probe.random_init(cfg, seed=cfg.train.seed)
+        _RANDOM_INIT_PROBES[key] = probe.probe_shapes(model, data_uri, cfg.data.endpoint_url)["accuracy"]
+    return _RANDOM_INIT_PROBES[key]
+
+
+_RANDOM_INIT_PROBES: dict[tuple, float] = {}
 
 
 # ------------------------------------------------------------------------------------ statistics

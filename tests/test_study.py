@@ -46,6 +46,20 @@ def test_verdicts_for_a_claim_that_holds_one_reversed_and_one_inconclusive():
     assert verdict(-0.07, 0.01, "at_least", margin=0.05) == "inconclusive"
 
 
+def test_runs_built_alike_share_one_random_init_probe(monkeypatch):
+    from mdc.config import load_config
+    from pipelines import study
+
+    probed = []
+    monkeypatch.setattr(study, "_RANDOM_INIT_PROBES", {})
+    monkeypatch.setattr(study.probe, "probe_shapes", lambda model, uri, endpoint: probed.append(uri) or {"accuracy": 0.5})
+    for overrides in (["objective.name=mdc"], ["objective.name=cmlm"], ["objective.name=bert", "objective.mask_ratio=0.75"],
+                      ["objective.name=mdc", "train.seed=1"], ["objective.name=clip"], ["objective.name=mdc"]):
+        assert study.random_init_probe(load_config(None, overrides), "data/shapes") == 0.5
+    assert study.random_init_probe(load_config(None, ["objective.name=mdc"]), "data/other") == 0.5
+    assert len(probed) == 4  # the masked three at seed 0, seed 1, CLIP, other data
+
+
 def write_plan(tmp_path, **changes) -> Path:
     plan = yaml.safe_load(SMOKE.read_text())
     for key, value in changes.items():

@@ -136,7 +136,7 @@ def scaling(ctx: typer.Context,
     """Dataset scaling: one model per nested subset size, the same steps each, probed; a size with a
     stored result is skipped. Extra arguments are `section.key=value` overrides; the validation split
     is the `val` beside --data when the manifest lists one, unless `data.val_uri=` is given."""
-    from pipelines import scaling as scaling_experiment  # the Ray program: seconds to import
+    from pipelines import scaling as experiment  # the Ray program: seconds to import
 
     Settings.verbose = verbose
     with user_errors():
@@ -144,19 +144,20 @@ def scaling(ctx: typer.Context,
         overrides = [f"data.train_uri={data}"]
         overrides += [f"{k}={v}" for k, v in {"storage_uri": storage_uri, "mlflow_uri": mlflow_uri}.items() if v]
         base = runtime.absolute_paths(load_config(config, overrides + list(ctx.args)))
-        size_list = scaling_experiment.parse_sizes(sizes)
-        manifest_uri, manifest = scaling_experiment.read_dataset_manifest(scaling_experiment.parent_uri(data), base.data.endpoint_url)
-        total = total or scaling_experiment.split_total(data, manifest_uri, manifest, base.data.endpoint_url)
+        size_list = experiment.parse_sizes(sizes)
+        manifest_uri, manifest = experiment.read_dataset_manifest(experiment.parent_uri(data), base.data.endpoint_url)
+        total = total or experiment.split_total(data, manifest_uri, manifest, base.data.endpoint_url)
         for size in size_list:
-            scaling_experiment.subset_fraction(size, total)
-        probe = scaling_experiment.Probe(probe_dataset, runtime.absolute_uri(probe_data) or scaling_experiment.parent_uri(data), base.data.endpoint_url)
+            experiment.subset_fraction(size, total)
+        probe_root = runtime.absolute_uri(probe_data) or experiment.parent_uri(data)
+        probe = experiment.Probe(probe_dataset, probe_root, base.data.endpoint_url)
         probe.check()
         if "val" in manifest.get("splits", {}) and not any(arg.startswith("data.val_uri=") for arg in ctx.args):
-            base.data.val_uri = storage.join(scaling_experiment.parent_uri(data), "val")
+            base.data.val_uri = storage.join(experiment.parent_uri(data), "val")
         runtime.check_inputs(base)
         log = (Path(base.storage_uri) if "://" not in base.storage_uri else Path("mdc-logs")).resolve() / name
         with runtime.ray_session(log / "ray.log", address, verbose):
-            rows, failures = scaling_experiment.run_scaling(base, size_list, total, name, probe)
+            rows, failures = experiment.run_scaling(base, size_list, total, name, probe)
     report_failures("size", len(size_list), failures)
 
 
