@@ -3,7 +3,7 @@ objective its validation loss is measured with, the scorer compositionality uses
 the way it writes captions. Everything that used to switch on an objective's name looks its entry
 up here; adding an objective is one entry and its own modules.
 
-The traits the config validates with (`masked`, `autoregressive`, `time`) live here too, so that
+The traits the config validates with (`masked`, `time`) live here too, so that
 `mdc.config` names the allowed objectives from this table.
 """
 
@@ -62,8 +62,7 @@ class Objective:
     write: WriteFn | None  # None: the model writes no captions
     sampler: str | None = None  # the caption writer's name in reports; None: the masked sampler asked for
     masked: bool = False  # trained on masked captions: DDCap's length head and image-free training apply
-    autoregressive: bool = False  # has no noise level t to condition on
-    time: Literal["optional", "required", "never"] = "optional"  # model.time_conditioning
+    time: Literal["optional", "required", "never"] = "optional"  # model.time_conditioning; never: no t
 
 
 def _masked_loss(kind: str) -> LossFn:
@@ -103,7 +102,7 @@ def _write_continuous(model, images, length, sampler=None, steps=None, guidance_
 
 _MASKED = dict(build=_captioner(Captioner), validation=MASKED_ELBO, scorer="montecarlo", write=_write_masked, masked=True)
 _AUTOREGRESSIVE = dict(build=_captioner(Captioner), validation={"name": "ar"}, scorer="ar", write=_write_autoregressive,
-                       sampler="greedy-autoregressive", autoregressive=True, time="never")
+                       sampler="greedy-autoregressive", time="never")
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
     Objective("mdc", "masked diffusion captioning: the 1/t-weighted ELBO, t ~ U[ω_l, ω_u]",
