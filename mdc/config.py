@@ -70,6 +70,9 @@ class DataConfig(_Section):
     subset_fraction: float | None = Field(None, gt=0.0, le=1.0,
                                           description="keep keys whose hash is below this: nested subsets")
     subset_salt: str = "subset"
+    augment: Literal["none", "crop", "crop_flip"] = Field(
+        "none", description="training images: random resized crop (area 0.5-1), crop_flip also mirrors "
+        "half of them (wrong for captions that say left/right, as the shapes data's do)")
 
 
 class OptimConfig(_Section):

@@ -94,18 +94,30 @@ def sweep_png(rows: Sequence[dict], x_key: str, metrics: Sequence[str], path: Pa
     return path
 
 
+def claim_x_range(c: dict) -> tuple[float, float]:
+    """The x range of one claim's row: its interval, 0 and −margin, with a tenth of room each side."""
+    low = min(c["ci_low"], 0.0, -c["margin"] if c["expect"] == "at_least" else 0.0)
+    high = max(c["ci_high"], 0.0)
+    pad = 0.1 * (high - low) or 1.0
+    return low - pad, high + pad
+
+
 def claims_png(claims: Sequence[dict], path: Path, confidence: float) -> Path:
-    """Each claim's interval against 0 (and −margin for `at_least`), coloured by verdict."""
+    """Each claim's interval against 0 (and −margin for `at_least`), coloured by verdict, one row
+    per claim on its own x scale: metrics differ by orders of magnitude (accuracies, captions/s)."""
     colours = {"holds": "tab:green", "reversed": "tab:red", "inconclusive": "tab:gray"}
-    fig, ax = plt.subplots(figsize=(7, 0.6 * len(claims) + 1.2))
-    for y, c in enumerate(reversed(claims)):
-        ax.plot([c["ci_low"], c["ci_high"]], [y, y], color=colours[c["verdict"]], linewidth=3)
-        ax.plot([c["mean_diff"]], [y], "o", color=colours[c["verdict"]])
+    fig, axes = plt.subplots(len(claims), 1, figsize=(8, 0.7 * len(claims) + 0.9), squeeze=False)
+    for ax, c in zip(axes[:, 0], claims):
+        ax.plot([c["ci_low"], c["ci_high"]], [0, 0], color=colours[c["verdict"]], linewidth=3)
+        ax.plot([c["mean_diff"]], [0], "o", color=colours[c["verdict"]])
         if c["expect"] == "at_least":
-            ax.plot([-c["margin"]], [y], "|", color="black", markersize=12)
-    ax.axvline(0.0, color="black", linewidth=0.8)
-    ax.set_yticks(range(len(claims)), [f"{c['name']} ({c['verdict']})" for c in reversed(claims)], fontsize=8)
-    ax.set_xlabel(f"mean paired difference a − b, {int(confidence * 100)}% t interval")
+            ax.plot([-c["margin"]], [0], "|", color="black", markersize=12)
+        ax.axvline(0.0, color="black", linewidth=0.8)
+        ax.set_xlim(*claim_x_range(c))
+        ax.set_yticks([0], [f"{c['name']} ({c['verdict']})"], fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_ylim(-1, 1)
+    axes[-1, 0].set_xlabel(f"mean paired difference a − b, {int(confidence * 100)}% t interval (each row its own scale)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

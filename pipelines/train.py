@@ -31,6 +31,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from mdc import registry
 from mdc.config import ObjectiveConfig, RunConfig, dump_config
 from mdc.data import shards, storage
+from mdc.data.augment import augment
 from mdc.data.images import normalize
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.models.captioner import PRESETS
@@ -94,6 +95,11 @@ def image_size(cfg: RunConfig) -> int:
 def _step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
     """Noise (t, masks) depends only on (seed, rank, step): a resumed run draws what it would have."""
     return torch.Generator(device).manual_seed(seed * 1_000_003 + rank * 10_007 + step)
+
+
+def _augment_generator(seed: int, rank: int, step: int) -> torch.Generator:
+    """The step's crops, on the CPU, from a stream apart from its noise: also reproducible on resume."""
+    return torch.Generator().manual_seed(2**40 + seed * 1_000_003 + rank * 10_007 + step)
 
 
 def validation_objective(objective: ObjectiveConfig) -> ObjectiveConfig:
@@ -189,7 +195,8 @@ def train_loop(loop_config: dict) -> None:
             if fault is not None:
                 fault.maybe_fire(step + 1, rank)
             step += 1
-            images, tokens = normalize(batch["image"].to(device)), batch["tokens"].to(device)
+            pixels = augment(batch["image"].to(device), cfg.data.augment, _augment_generator(tc.seed, rank, step))
+            images, tokens = normalize(pixels), batch["tokens"].to(device)
             metrics = train_step(model, optimizer, scheduler, images, tokens, cfg.objective,
                                  cfg.optim.grad_clip, _step_generator(tc.seed, rank, step, device), ema,
                                  micro_batches=tc.accumulation_steps)

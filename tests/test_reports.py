@@ -4,6 +4,7 @@ compositionality table with whatever columns the results hold; also an MLflow ar
 import re
 from types import SimpleNamespace
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from mdc.config import load_config
@@ -50,3 +51,20 @@ def test_curves_follow_the_logged_history(tmp_path):
     logger.log({"loss": 2.0, "val_loss": 2.5}, 2)
     logger.flush()
     assert tracking.metric_history(uri, run_id, reports.CURVES) == {"loss": [(1, 3.0), (2, 2.0)], "val_loss": [(2, 2.5)]}
+
+
+def _claim(low, high, verdict, expect="greater", margin=0.0):
+    return {"name": f"claim {low}", "ci_low": low, "ci_high": high, "mean_diff": (low + high) / 2,
+            "verdict": verdict, "expect": expect, "margin": margin}
+
+
+def test_each_claim_row_has_its_own_scale_holding_its_interval_and_zero(tmp_path):
+    """A captions/s difference of −138 beside a probe difference of +0.01 must not squash the
+    latter: each row spans its own interval, 0 and −margin, with a tenth of room each side."""
+    small, large = _claim(-0.01, 0.03, "inconclusive"), _claim(-190.0, -80.0, "reversed")
+    at_least = _claim(-0.3, -0.2, "reversed", expect="at_least", margin=0.5)
+    assert reports.claim_x_range(small) == pytest.approx((-0.014, 0.034))
+    assert reports.claim_x_range(large) == pytest.approx((-209.0, 19.0))
+    assert reports.claim_x_range(at_least) == pytest.approx((-0.55, 0.05))
+    png = reports.claims_png([small, large, at_least], tmp_path / "claims.png", 0.95)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
