@@ -117,7 +117,7 @@ def claims_png(claims: Sequence[dict], path: Path, confidence: float) -> Path:
         ax.set_yticks([0], [f"{c['name']} ({c['verdict']})"], fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
         ax.set_ylim(-1, 1)
-    axes[-1, 0].set_xlabel(f"mean paired difference a − b, {int(confidence * 100)}% t interval (each row its own scale)")
+    axes[-1, 0].set_xlabel(f"mean a − b, {int(confidence * 100)}% t interval; each row on its own scale")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -8,6 +8,7 @@ import io
 import json
 import pickle
 import struct
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -318,6 +319,21 @@ def test_fit_probe_chooses_c_on_held_out_train_and_scores_test():
     result = probe.fit_probe(x[:200], y[:200], x[200:], y[200:])
     assert result["accuracy"] > 0.9 and result["best_c"] in probe.DEFAULT_CS
     assert set(result["val_accuracy"]) == set(probe.DEFAULT_CS)
+
+
+def test_fits_that_stop_at_max_iter_are_recorded_not_printed():
+    """Separable classes and 3 lbfgs iterations: the weakly regularised fits cannot converge; they
+    are named in the result and no ConvergenceWarning escapes (one per fit flooded the console)."""
+    rng = np.random.default_rng(0)
+    y = np.repeat([0, 1], 50)
+    x = np.c_[y * 10.0 + rng.normal(0, 1, 100), rng.normal(0, 1, (100, 3))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = probe.fit_probe(x[::2], y[::2], x[1::2], y[1::2], max_iter=3)
+        converged = probe.fit_probe(x[::2], y[::2], x[1::2], y[1::2])
+    assert result["unconverged_c"] and set(result["unconverged_c"]) <= set(probe.DEFAULT_CS)
+    assert max(probe.DEFAULT_CS) in result["unconverged_c"]
+    assert converged["unconverged_c"] == []
 
 
 def test_feature_cache_computes_once(tmp_path):

@@ -9,11 +9,13 @@ split (top-1). Features can be cached on disk, keyed by the checkpoint's content
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
@@ -54,14 +56,23 @@ def fit_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test
     fit_x, val_x, fit_y, val_y = train_test_split(train_x, train_y, test_size=val_fraction,
                                                   random_state=seed, stratify=stratify)
 
-    def classifier(c: float) -> LogisticRegression:
-        return LogisticRegression(C=c, max_iter=max_iter, random_state=seed)
+    unconverged = []
 
-    val_accuracy = {float(c): float(classifier(c).fit(fit_x, fit_y).score(val_x, val_y)) for c in cs}
+    def fitted(c: float, x: np.ndarray, y: np.ndarray) -> LogisticRegression:
+        """lbfgs stops at max_iter on nearly separable features (weak regularisation): that C is
+        recorded in the result instead of a warning printed per fit."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConvergenceWarning)
+            classifier = LogisticRegression(C=c, max_iter=max_iter, random_state=seed).fit(x, y)
+        if any(issubclass(w.category, ConvergenceWarning) for w in caught):
+            unconverged.append(float(c))
+        return classifier
+
+    val_accuracy = {float(c): float(fitted(c, fit_x, fit_y).score(val_x, val_y)) for c in cs}
     best = max(val_accuracy, key=val_accuracy.get)  # the first (strongest regularisation) on ties
-    accuracy = float(classifier(best).fit(train_x, train_y).score(test_x, test_y))
+    accuracy = float(fitted(best, train_x, train_y).score(test_x, test_y))
     return {"accuracy": accuracy, "best_c": best, "val_accuracy": val_accuracy,
-            "num_train": int(len(train_y)), "num_test": int(len(test_y))}
+            "num_train": int(len(train_y)), "num_test": int(len(test_y)), "unconverged_c": sorted(set(unconverged))}
 
 
 def linear_probe(train: Split, test: Split, features: Callable[[Split], np.ndarray], **fit_options) -> dict:
