@@ -173,25 +173,23 @@ def print_claims(claims: list[dict]) -> None:
 
 def study(plan: Path = typer.Option(..., help="study plan YAML (studies/)"),
           out: Optional[Path] = typer.Option(None, help="runs, MLflow and the report (default: runs/study-NAME)"),
-          address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local")):
+          address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
+          verbose: bool = VERBOSE_OPTION):
     """Run a study plan: every arm × seed trained through Ray Train (finished runs are not repeated),
     evaluated, and each claim judged by a Student-t interval over seed-paired differences
     (study.json, results.md, claims.png; MLflow)."""
     from pipelines import study as studies  # the Ray program: seconds to import
 
-    try:
+    Settings.verbose = verbose
+    with user_errors(studies.StudyError):
         parsed = studies.load_plan(plan)
-        directory = out or Path("runs") / f"study-{parsed.name}"
-        studies.run_configs(parsed, plan, Path(directory).resolve())
+        directory = (out or Path("runs") / f"study-{parsed.name}").resolve()
+        studies.run_configs(parsed, plan, directory)
         studies.check_data(parsed)
-    except studies.StudyError as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2)
-    runtime.connect_ray(address)
-    claims = studies.run_study(parsed, plan, directory)
+        with runtime.ray_session(directory / "ray.log", address, verbose):
+            claims = studies.run_study(parsed, plan, directory)
     print_claims(claims)
-    console.print(f"report: {Path(directory) / 'results.md'}, {Path(directory) / 'study.json'}, "
-                  f"{Path(directory) / 'claims.png'}")
+    console.print(f"report: {directory / 'results.md'}, {directory / 'study.json'}, {directory / 'claims.png'}")
 
 
 def submit(ctx: typer.Context,
