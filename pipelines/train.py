@@ -97,9 +97,9 @@ def _step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
     return torch.Generator(device).manual_seed(seed * 1_000_003 + rank * 10_007 + step)
 
 
-def _augment_generator(seed: int, rank: int, step: int) -> torch.Generator:
-    """The step's crops, on the CPU, from a stream apart from its noise: also reproducible on resume."""
-    return torch.Generator().manual_seed(2**40 + seed * 1_000_003 + rank * 10_007 + step)
+def _augment_seed(seed: int, rank: int, step: int) -> int:
+    """The step's crops, apart from its noise: also reproducible on resume."""
+    return 2**40 + seed * 1_000_003 + rank * 10_007 + step
 
 
 def validation_objective(objective: ObjectiveConfig) -> ObjectiveConfig:
@@ -195,7 +195,7 @@ def train_loop(loop_config: dict) -> None:
             if fault is not None:
                 fault.maybe_fire(step + 1, rank)
             step += 1
-            pixels = augment(batch["image"].to(device), cfg.data.augment, _augment_generator(tc.seed, rank, step))
+            pixels = augment(batch["image"].to(device), cfg.data.augment, _augment_seed(tc.seed, rank, step))
             images, tokens = normalize(pixels), batch["tokens"].to(device)
             metrics = train_step(model, optimizer, scheduler, images, tokens, cfg.objective,
                                  cfg.optim.grad_clip, _step_generator(tc.seed, rank, step, device), ema,
