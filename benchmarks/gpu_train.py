@@ -1,6 +1,7 @@
 """The GPU training benchmark, one command: ViT-B/16 and ViT-L/14 MDC captioners, bf16 FSDP2,
 compiled blocks, activation checkpointing off and on, synthetic batches; prints img/s, MFU against
-the bf16 matmul peak measured on the same GPU in the same run, and peak memory.
+the bf16 matmul peak measured on the same GPU in the same run and against the device's dense bf16
+spec (989 TFLOP/s on an H100/H200 SXM), whether compilation really ran, and peak memory.
 
     python -m benchmarks.gpu_train [--steps 200] [--batch 64,32] [--out results.json]
 
@@ -43,7 +44,9 @@ def main() -> None:
             if torch.distributed.get_rank() == 0:
                 print(f"{preset:8s} batch {batch:>4s} act-ckpt {'on ' if ac else 'off'}  "
                       f"{r['images_per_s']:8.1f} img/s  MFU {r['mfu']:.3f} "
-                      f"(peak bf16 matmul {r['peak_matmul_tflops']:.0f} TFLOP/s)  "
+                      f"(peak bf16 matmul {r['peak_matmul_tflops']:.0f} TFLOP/s), "
+                      f"MFU vs spec {'n/a' if r['mfu_spec'] is None else format(r['mfu_spec'], '.3f')}  "
+                      f"compiled {r['compile']}{'' if r['compile_fallback'] is None else ' (' + r['compile_fallback'] + ')'}  "
                       f"peak memory {r['peak_memory_gib']:.1f} GiB", flush=True)
     if args.out and torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:

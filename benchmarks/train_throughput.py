@@ -1,8 +1,11 @@
 """Training throughput and model FLOPs utilisation (MFU) per preset.
 
 MFU = (FLOPs of one training step of the eager model, counted by torch's FlopCounterMode; the
-recomputation of activation checkpointing is not counted) × steps/s divided by the peak matmul
-FLOP/s measured on the same device in the same run — a ratio, so it transfers across machines.
+recomputation of activation checkpointing is not counted) × steps/s divided by two peaks: the matmul
+FLOP/s measured on the same device in the same run (`mfu`, a ratio that transfers across machines)
+and the device's dense bf16 spec sheet figure (`mfu_spec`, the number papers quote; None for a
+device not in DENSE_BF16_TFLOPS, e.g. a CPU). `compile` is what ran: false, with
+`compile_fallback` saying why, when torch.compile was asked for but unavailable.
 Synthetic in-memory batches: this measures the model, not the input pipeline.
 
     python -m benchmarks.train_throughput --presets tiny,vit_b16 [--device cuda --bf16 --fsdp --compile --ac]
@@ -24,8 +27,21 @@ from mdc.config import ObjectiveConfig, OptimConfig
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.models.captioner import Captioner
 from mdc.registry import compute_loss
-from mdc.train.fsdp import prepare_model
+from mdc.train.fsdp import compile_available, prepare_model
 from mdc.train.step import build_optimizer, build_scheduler, train_step
+
+
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, TFLOP/s, by a substring of
+# torch.cuda.get_device_name(); first match wins, so the PCIe H100 comes before the SXM one.
+DENSE_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+
+
+def spec_peak_tflops(device: str) -> float | None:
+    """The device's dense bf16 peak from DENSE_BF16_TFLOPS; None when it is not listed (CPU, others)."""
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(torch.device(device))
+    return next((tflops for key, tflops in DENSE_BF16_TFLOPS if key in name), None)
 
 
 def peak_matmul_flops(device: str, dtype: torch.dtype, n: int = 2048, seconds: float = 2.0) -> float:
@@ -82,6 +98,7 @@ def measure(preset: str, batch: int, steps: int, device: str, bf16: bool, fsdp: 
     flops_per_step = step_flops(preset, batch, max_length, device)
     model, optimizer, scheduler, (images, tokens) = training_setup(
         preset, batch, device, bf16, fsdp, activation_checkpointing, compile, max_length)
+    fallback = compile_available(device) if compile else None  # prepare_model's test: eager when it fails
     objective = ObjectiveConfig()
     # FSDP2's MixedPrecisionPolicy casts sharded models; a plain model computes under autocast
     autocast = torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=bf16 and not fsdp)
@@ -99,11 +116,14 @@ def measure(preset: str, batch: int, steps: int, device: str, bf16: bool, fsdp: 
     elapsed = time.perf_counter() - start
     peak = peak or peak_matmul_flops(device, torch.bfloat16 if bf16 else torch.float32)
     achieved = flops_per_step * steps / elapsed
-    out = {"preset": preset, "device": device, "bf16": bf16, "fsdp": fsdp, "compile": compile,
+    spec = spec_peak_tflops(device) if bf16 else None
+    out = {"preset": preset, "device": device, "bf16": bf16, "fsdp": fsdp,
+           "compile": compile and fallback is None, "compile_fallback": fallback,
            "activation_checkpointing": activation_checkpointing, "batch": batch, "steps": steps,
            "images_per_s": batch * steps / elapsed, "step_s": elapsed / steps,
            "gflop_per_step": flops_per_step / 1e9, "achieved_tflops": achieved / 1e12,
            "peak_matmul_tflops": peak / 1e12, "mfu": achieved / peak,
+           "spec_peak_tflops": spec, "mfu_spec": None if spec is None else achieved / (spec * 1e12),
            "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
     if device.startswith("cuda"):
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -111,7 +111,7 @@ def denoising_scores(model, images: torch.Tensor, candidates: list[torch.Tensor]
         for k in range(num_samples):
             t, noise = t_all[k], noise_all[k, :, :tokens.shape[1]]
             x0_hat = model.predict_x0(tokens, image_kv, t, noised(x0, t, noise))
-            mse = (x0_hat - x0).pow(2).mean(-1)
+            mse = (x0_hat.float() - x0.float()).pow(2).mean(-1)  # float32 under bf16 compute too
             logp = model.project(x0_hat).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
             total -= torch.where(real, mse - logp, 0.0).sum(1)
         scores.append(total / num_samples)

@@ -8,6 +8,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -29,10 +30,31 @@ TEST_VALUES = {
     "IMAGE": "registry.example.com/mdc:test", "KUBECTL_IMAGE": "registry.example.com/kubectl:test",
     "BUCKET": "mdc-test-bucket", "DATA": "s3://mdc-test-data/cc3m", "PROBE_DATA": "s3://mdc-test-data/shapes",
     "RUN_NAME": "vit-b16-test",
-    "MLFLOW_URI": "http://mlflow.example.com:5000", "GPU_INSTANCE_TYPE": "g5.xlarge", "GPU_WORKERS": "4",
+    "MLFLOW_URI": "http://mlflow.example.com:5000", "GPU_INSTANCE_TYPE": "p4d.24xlarge", "GPU_WORKERS": "1",
     "HEAD_INSTANCE_TYPE": "m5.2xlarge", "AWS_REGION": "us-west-2", "CPU_WORKERS": "3",
     "CPU_INSTANCE_TYPE": "c6i.8xlarge",
 }
+INSTANCE_TYPES = yaml.safe_load((CLUSTER / "instance-types.yaml").read_text())
+GPU_TYPES = sorted(name for name, row in INSTANCE_TYPES.items() if row["gpus"])
+
+
+def kubelet_reserve(row: dict) -> tuple[int, int]:
+    """(vCPUs, GiB) a node keeps for the kubelet, system daemons and DaemonSets: max(1, 10%), max(4 GiB, 10%)."""
+    return max(1, -(-row["vcpu"] // 10)), max(4, -(-row["memory_gib"] // 10))
+
+
+def derived(values: dict) -> dict:
+    """The pod sizes cluster/render.sh derives from cluster/instance-types.yaml."""
+    out = {}
+    for group in ("HEAD", "GPU", "CPU"):
+        row = INSTANCE_TYPES[values[f"{group}_INSTANCE_TYPE"]]
+        cpu, gib = kubelet_reserve(row)
+        out[f"{group}_POD_CPU"] = str(row["vcpu"] - cpu)
+        out[f"{group}_POD_MEMORY"] = f"{row['memory_gib'] - gib}Gi"
+    out["GPU_POD_GPUS"] = str(INSTANCE_TYPES[values["GPU_INSTANCE_TYPE"]]["gpus"])
+    out["TRAIN_WORKERS"] = str(int(values["GPU_WORKERS"]) * int(out["GPU_POD_GPUS"]))
+    return out
+
 YAMLS = sorted(CLUSTER.rglob("*.yaml"))
 TEMPLATES = [p for p in YAMLS if PLACEHOLDER.search(p.read_text())]
 RAY_VERSION = re.search(r"^ARG RAY_VERSION=(\S+)$", DOCKERFILE, re.M).group(1)
@@ -40,9 +62,10 @@ PROJECT_DIR = re.search(r"^WORKDIR (\S+)$", DOCKERFILE, re.M).group(1)  # where 
 SUBMISSION_MODES = {"K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode"}
 
 
-def render(text: str) -> str:
-    """What `cluster/render.sh` (envsubst) makes of a file, with TEST_VALUES as the environment."""
-    return PLACEHOLDER.sub(lambda m: TEST_VALUES[m.group(1)], text)
+def render(text: str, values: dict = TEST_VALUES) -> str:
+    """What `cluster/render.sh` (envsubst) makes of a file, with `values` as the environment."""
+    values = {**values, **derived(values)}
+    return PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
 
 
 def load(path: Path) -> list[dict]:
@@ -73,7 +96,7 @@ def repo_path(path: str) -> Path:
 
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: str(p.relative_to(CLUSTER)))
 def test_every_yaml_parses_after_rendering(path):
-    unknown = set(PLACEHOLDER.findall(path.read_text())) - set(TEST_VALUES)
+    unknown = set(PLACEHOLDER.findall(path.read_text())) - set(TEST_VALUES) - set(derived(TEST_VALUES))
     assert not unknown, f"{path}: placeholders without a test value: {unknown}"
     docs = load(path)
     assert docs, f"{path}: no YAML documents"
@@ -107,6 +130,83 @@ def test_dockerfile_copies_paths_that_exist_and_pins_the_ray_in_use():
         for source in sources:
             assert (REPO / source).exists(), f"cluster/Dockerfile: COPY {source}: not in the repository"
     assert RAY_VERSION == ray.__version__, "cluster/Dockerfile RAY_VERSION differs from the Ray installed here"
+
+
+DOCKER_CHECKS = re.findall(r"python -c (\"[^\"]*\"|'[^']*')", DOCKERFILE)
+
+
+def test_dockerfile_has_python_checks():
+    assert DOCKER_CHECKS, "cluster/Dockerfile: no `python -c` check of the installed package"
+
+
+@pytest.mark.parametrize("check", DOCKER_CHECKS)
+def test_dockerfile_python_checks_run_in_the_project_env(check):
+    """What the image build runs after `pip install -e .`, run here against this checkout."""
+    out = subprocess.run([sys.executable, "-c", shlex.split(check)[0]], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert out.returncode == 0, f"cluster/Dockerfile: python -c {check} fails: {out.stderr.strip().splitlines()[-1:]}"
+
+
+# ----------------------------------------------------------------------------- pods fit their nodes
+
+def pods(doc: dict):
+    """(where, node type, container) of every Ray pod a rendered KubeRay file asks for."""
+    if doc["kind"] == "ConfigMap":
+        doc = yaml.safe_load(doc["data"]["rayjob.yaml"])
+    spec = doc["spec"].get("rayClusterSpec", doc["spec"]) if doc["kind"] in ("RayJob", "RayCluster") else None
+    if spec is None:
+        return
+    groups = [("head", spec["headGroupSpec"])] + [(g["groupName"], g) for g in spec["workerGroupSpecs"]]
+    for name, group in groups:
+        pod = group["template"]["spec"]
+        node = pod.get("nodeSelector", {}).get("node.kubernetes.io/instance-type")
+        for container in pod["containers"]:
+            yield f"{doc['kind']} {name}", node, container
+
+
+def gib(quantity: str) -> float:
+    units = {"Gi": 1, "Mi": 1 / 1024, "Ti": 1024}
+    return float(quantity[:-2]) * units[quantity[-2:]]
+
+
+@pytest.mark.skipif(shutil.which("envsubst") is None, reason="envsubst (gettext-base) not installed")
+@pytest.mark.parametrize("gpu_type", GPU_TYPES)
+@pytest.mark.parametrize("path", sorted(KUBERAY.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_rendered_pod_fits_its_node_with_room_for_the_kubelet(path, gpu_type):
+    env = {**os.environ, **TEST_VALUES, "GPU_INSTANCE_TYPE": gpu_type}
+    out = subprocess.run([str(CLUSTER / "render.sh"), str(path)], env=env, capture_output=True, text=True, check=True)
+    seen = 0
+    for doc in yaml.safe_load_all(out.stdout):
+        for where, node, container in pods(doc):
+            seen += 1
+            assert node in INSTANCE_TYPES, f"{path.name}: {where}: node type {node!r} is not in instance-types.yaml"
+            row, (cpu_reserve, gib_reserve) = INSTANCE_TYPES[node], kubelet_reserve(INSTANCE_TYPES[node])
+            requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+            assert requests == limits, f"{path.name}: {where}: requests != limits (Guaranteed QoS)"
+            assert int(requests["cpu"]) <= row["vcpu"] - cpu_reserve, f"{path.name}: {where} on {node}: cpu"
+            assert gib(requests["memory"]) <= row["memory_gib"] - gib_reserve, f"{path.name}: {where} on {node}: memory"
+            if "nvidia.com/gpu" in requests:  # one pod per node, all its GPUs: NCCL over NVLink inside it
+                assert node == gpu_type and int(requests["nvidia.com/gpu"]) == row["gpus"], f"{path.name}: {where}"
+            else:
+                assert row["gpus"] == 0 or where.endswith("head"), f"{path.name}: {where}: a CPU pod on a GPU node"
+    assert seen >= 3, f"{path.name}: expected a head, a GPU and a CPU group"
+
+
+@pytest.mark.parametrize("where", ["rayjob-pretrain.yaml", "scaling-cronjob.yaml (ConfigMap)"])
+@pytest.mark.parametrize("gpu_type", GPU_TYPES)
+def test_training_workers_are_one_per_gpu_and_fit_the_gpu_pod(where, gpu_type):
+    values = {**TEST_VALUES, "GPU_INSTANCE_TYPE": gpu_type}
+    path = KUBERAY / ("rayjob-pretrain.yaml" if where.startswith("rayjob") else "scaling-cronjob.yaml")
+    docs = by_kind([d for d in yaml.safe_load_all(render(path.read_text(), values)) if d])
+    job = docs["RayJob"] if "RayJob" in docs else yaml.safe_load(docs["ConfigMap"]["data"]["rayjob.yaml"])
+    tokens = shlex.split(job["spec"]["entrypoint"])
+    workers = int(tokens[tokens.index("--num-workers") + 1]) if "--num-workers" in tokens else \
+        int(next(t for t in tokens if t.startswith("train.num_workers=")).split("=")[1])
+    sizes = derived(values)
+    assert workers == int(values["GPU_WORKERS"]) * INSTANCE_TYPES[gpu_type]["gpus"]
+    config = load_config(repo_path(tokens[tokens.index("--config") + 1]))
+    if gpu_type != "g5.xlarge":  # 4 vCPUs: too few for a GPU's data loading; README names g5.2xlarge and up
+        assert config.train.cpus_per_worker * int(sizes["GPU_POD_GPUS"]) <= int(sizes["GPU_POD_CPU"]), gpu_type
 
 
 # --------------------------------------------------------------------------------------- KubeRay

@@ -41,6 +41,12 @@ PRESETS: dict[str, Preset] = {
 SINCOS_GAIN = 3.0
 
 
+def compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype a module computes in: that of its weights (bf16 while FSDP2's mixed-precision policy
+    has them gathered). Float inputs from outside are cast to it where they enter the model."""
+    return next(module.parameters()).dtype
+
+
 def create_encoder(preset: str, image_size: int, pos_embed: str = "sincos2d") -> nn.Module:
     """A ViT returning normalised patch tokens (no class token, no head), randomly initialised.
 
@@ -66,6 +72,8 @@ def num_heads(dim: int) -> int:
 
 
 def sinusoidal_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Float32 whatever the model computes in: in bf16, 1000·t is only resolved to ~4 near t = 1000·0.5,
+    so nearby noise levels would share an embedding (callers cast the result to the layer's dtype)."""
     half = dim // 2
     freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, device=t.device) / half)
     angles = 1000.0 * t.float()[:, None] * freqs[None]  # t in [0,1]: stretch to a useful range
@@ -167,7 +175,7 @@ class Captioner(nn.Module):
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """Patch features V (B, P, D) after the encoder's final norm."""
-        return self.encoder.forward_features(images)
+        return self.encoder.forward_features(images.to(compute_dtype(self.encoder)))
 
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
         """Pooled features for probes: the mean of the normalised patch features."""
@@ -202,12 +210,12 @@ class Captioner(nn.Module):
         per_block = features if isinstance(features, list) else [features] * len(self.blocks)
         n = tokens.shape[1]
         x = self.token_embed(tokens) if inputs_embeds is None else inputs_embeds
-        x = x + self.pos_embed[:, offset:offset + n]
+        x = (x + self.pos_embed[:, offset:offset + n]).to(self.pos_embed.dtype)
         t_emb = None
         if self.time_mlp is not None:
             if t is None:
                 raise ValueError("time_conditioning is on: decode() needs t")
-            t_emb = self.time_mlp(sinusoidal_embedding(t, self.dim))
+            t_emb = self.time_mlp(sinusoidal_embedding(t, self.dim).to(compute_dtype(self.time_mlp)))
         mask = None if cache is not None else self.self_attention_mask(tokens, causal)
         for i, blk in enumerate(self.blocks):
             x = blk(x, per_block[i], mask, t_emb, None if cache is None else cache[i])

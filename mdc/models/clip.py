@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from open_clip.transformer import TextTransformer
 from torch import nn
 
-from mdc.models.captioner import PRESETS, create_encoder, num_heads
+from mdc.models.captioner import PRESETS, compute_dtype, create_encoder, num_heads
 
 MAX_LOGIT_SCALE = 100.0  # CLIP keeps the temperature's inverse at most 100
 
@@ -53,7 +53,7 @@ class ClipModel(nn.Module):
         return self.text.transformer.resblocks
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        return self.encoder.forward_features(images)
+        return self.encoder.forward_features(images.to(compute_dtype(self.encoder)))
 
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
         """Pooled features for probes: the mean of the normalised patch features (as the captioner)."""

@@ -12,6 +12,6 @@ def continuous_diffusion_loss(model, images, tokens, generator=None):
     t = torch.rand(tokens.shape[0], generator=generator, device=tokens.device)
     noise = torch.randn(*tokens.shape, model.dim, generator=generator, device=tokens.device)
     x0_hat, x0, logits = model.denoise(images, tokens, t, noise)
-    mse = (x0_hat - x0).pow(2).mean()
+    mse = (x0_hat.float() - x0.float()).pow(2).mean()  # float32 under bf16 compute too
     rounding = F.cross_entropy(logits, tokens[tokens != model.pad_id])
     return mse + rounding, {"mse": mse.detach(), "rounding_ce": rounding.detach()}

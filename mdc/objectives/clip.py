@@ -11,7 +11,9 @@ def clip_loss(model, images, tokens):
     """(loss, metrics) of the contrastive objective over the local batch. The logit scale is
     clamped first: every forward sees it clamped after the previous step, as in open_clip."""
     model.clamp_logit_scale_()
-    image, text, scale = model(images, tokens)
+    # the logits in float32 whatever the towers compute in: a bf16 softmax over the batch loses the
+    # small differences the contrastive loss learns from
+    image, text, scale = (x.float() for x in model(images, tokens))
     loss = ClipLoss()(image, text, scale)
     hits = (image @ text.T).argmax(dim=1) == torch.arange(len(image), device=image.device)
     return loss, {"contrastive_accuracy": hits.float().mean(), "logit_scale": scale.detach()}

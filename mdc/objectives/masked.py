@@ -77,7 +77,7 @@ def masked_diffusion_loss(model, images, tokens, kind: str, omega_l=0.5, omega_u
     metrics = {"masked_fraction": masked.sum() / (tokens != model.pad_id).sum(),
                "nll_masked": nll.detach().sum() / max(nll.numel(), 1)}
     if length_logits is not None:
-        length_ce = ddcap.length_loss(length_logits, tokens, model.pad_id)
+        length_ce = ddcap.length_loss(length_logits.float(), tokens, model.pad_id)  # float32 CE under bf16
         loss = loss + length_ce
         metrics["length_ce"] = length_ce.detach()
     if "image_free" in ddcap_options:

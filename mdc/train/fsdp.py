@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import replace
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -66,6 +67,9 @@ def apply_fsdp(model, bf16: bool) -> None:
         else MixedPrecisionPolicy()
     for block in transformer_blocks(model):
         fully_shard(block, mp_policy=policy, reshard_after_forward=False)
-    fully_shard(model, mp_policy=policy)
+    # The root keeps its float inputs as given: cast to bf16, the noise level t (masked diffusion,
+    # cdlm) would lose its precision before the time embedding (0.5 and 0.5004 are one bf16 value).
+    # The models cast images and embeddings to their weights' dtype themselves (`compute_dtype`).
+    fully_shard(model, mp_policy=replace(policy, cast_forward_inputs=False))
     for name in getattr(model, "fsdp_forward_methods", ()):
         register_fsdp_forward_method(model, name)
