@@ -82,6 +82,18 @@ def ray_cluster(s3_server):
         ray.shutdown()
 
 
+@pytest.fixture
+def ray_forbidden(monkeypatch):
+    """For tests that say a command fails before Ray: starting Ray raises, so a check that moved
+    after ray.init shows up as this error instead of the expected one."""
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ray.init was called before the error was reported")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
 @pytest.fixture(scope="session")
 def shapes_dir(tmp_path_factory):
     """A small shapes dataset on local disk (train/, val/, compositionality/)."""

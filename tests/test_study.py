@@ -98,7 +98,7 @@ def test_an_arm_config_error_names_the_arm_and_the_field(tmp_path):
         run_configs(plan, path, tmp_path / "out")
 
 
-def test_a_bad_plan_stops_the_command_before_any_run(tmp_path):
+def test_a_bad_plan_stops_the_command_before_any_run(tmp_path, ray_forbidden):
     path = write_plan(tmp_path, claims=[{"name": "x", "metric": "probe_accuracy", "arm_a": "mdc", "arm_b": "bert"}])
     result = CliRunner().invoke(app, ["study", "--plan", str(path), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2
