@@ -23,7 +23,7 @@ class ConstantNLL(nn.Module):
         super().__init__()
         self.vocab, self.mask_id, self.pad_id, self.bos_id, self.eos_id = vocab, mask_id, pad_id, bos_id, eos_id
 
-    def forward(self, images, tokens, t=None, causal=False, where=None):
+    def forward(self, images, tokens, t=None, causal=False, where=None, image_free=None):
         return torch.zeros(int(where.sum()), self.vocab)
 
     def encode(self, images):
