@@ -541,7 +541,7 @@ def test_zeroshot_and_captions_run_on_the_trained_model(trained, shapes_data):
     test = readers.read_split("shapes", str(shapes_data), "test")
     _, score = comp.get_scorer("montecarlo", "mdc")
     result = zeroshot.zeroshot_classify(model, test, score, zeroshot.SHAPES_TEMPLATES, samples=2, limit=16)
-    assert result["num_test"] == 16 and 0.0 <= result["accuracy"] <= 1.0
+    assert result["num_test"] == 16 and result["accuracy"] > 1 / 3  # three classes: above chance
     images = captioning.group_by_image(shards.read_shards(str(shapes_data / "val")), limit=8)
     captions = captioning.evaluate_captions(model, "mdc", images, lengths=(8, 20), batch_size=8)
     assert captions["skipped_lengths"] == [20] and list(captions["lengths"]) == ["8"]
