@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench mutation
 
 setup: $(VENV)/.installed
 
@@ -22,3 +22,10 @@ test: setup
 bench: setup
 	$(PY) -m benchmarks.ingest
 	$(PY) -m benchmarks.train_throughput
+
+# Mutation testing of the math (objectives, ELBO/score estimators, samplers; [tool.mutmut] in
+# pyproject.toml): CPU heavy, outside CI. Score = killed / all mutants (docs/testing.md).
+mutation: setup
+	rm -rf mutants
+	nice -n 15 $(VENV)/bin/mutmut run --max-children 2
+	$(VENV)/bin/mutmut results

@@ -1,11 +1,15 @@
-"""Shared fixtures: a real S3 API (moto server, in-process) with dummy credentials."""
+"""Shared fixtures (a real S3 API with dummy credentials, one local Ray, tiny datasets) and the CI
+rules: a test that uses Ray is marked `ray`, and under CI=true a skipped test fails the run."""
 
 import logging
+import os
 from dataclasses import dataclass
 
 import boto3
 import pytest
 from moto.server import ThreadedMotoServer
+
+pytest_plugins = ["pytester"]  # tests/test_ci_rules.py runs these hooks on a throwaway suite
 
 DUMMY_AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -14,6 +18,25 @@ DUMMY_AWS_ENV = {
     "AWS_DEFAULT_REGION": "us-east-1",
     "AWS_REGION": "us-east-1",
 }
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that starts Ray, however it gets the cluster (directly or through a fixture),
+    so that `-m "not ray"` leaves exactly the Ray-free tests."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On CI a skip is a failure: a missing system package must not turn a test into a green dot."""
+    report = yield
+    if report.skipped and os.environ.get("CI") == "true" and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid} was skipped on CI ({reason}); install what it needs (.ci/run)"
+    return report
 
 
 @dataclass
@@ -57,6 +80,18 @@ def ray_cluster(s3_server):
         ray.init(num_cpus=2, object_store_memory=512 * 1024**2, include_dashboard=True)
         yield
         ray.shutdown()
+
+
+@pytest.fixture
+def ray_forbidden(monkeypatch):
+    """For tests that say a command fails before Ray: starting Ray raises, so a check that moved
+    after ray.init shows up as this error instead of the expected one."""
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ray.init was called before the error was reported")
+
+    monkeypatch.setattr(ray, "init", refuse)
 
 
 @pytest.fixture(scope="session")

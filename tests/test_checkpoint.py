@@ -2,6 +2,7 @@
 when its completion marker is there and every file matches it; pruning keeps the newest complete."""
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -125,9 +126,19 @@ def test_a_checkpoint_finished_in_the_background_is_complete_after_wait(tmp_path
     local = tmp_path / "stage"
     local.mkdir()
     ckpt.stage_training_state(local, *state, {"step": 5, "epoch": 0}, {}, rank=0)
-    background.submit(lambda: ckpt.commit(uri, 5, ckpt.upload_shard(local, uri), 0, group=background.group))
+    released, ran_in = threading.Event(), []
+
+    def finish():  # held until the caller has got control back: a synchronous submit would wait here in vain
+        ran_in.append((threading.current_thread().name, released.wait(timeout=10)))
+        ckpt.commit(uri, 5, ckpt.upload_shard(local, uri), 0, group=background.group)
+
+    background.submit(finish)
+    assert ckpt.newest_complete(run_dir) == (None, [])  # submit returned before the checkpoint was complete
+    released.set()
     background.wait()
     assert ckpt.newest_complete(run_dir) == (uri, [])
+    [(thread, was_released)] = ran_in
+    assert thread.startswith("mdc-checkpoint") and was_released
     background.submit(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         background.wait()

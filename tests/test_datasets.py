@@ -173,8 +173,9 @@ def test_tuxpaint_converter_on_a_small_tree(tmp_path):
 def test_tuxpaint_converter_on_the_installed_package(tmp_path):
     out = str(tmp_path / "tux")
     manifest = tuxpaint.write_tuxpaint_dataset(out, max_size=64, format="parquet")
-    minimum = 900 if tuxpaint.cairosvg is not None else 750  # ~170 stamps exist only as SVG
-    assert manifest["num_samples"] >= minimum, manifest["skipped"]
+    # ~170 stamps exist only as SVG: without cairo (libcairo2) they are skipped, and the bar stays
+    assert tuxpaint.cairosvg is not None, "cairosvg cannot load libcairo2 (.ci/run installs it)"
+    assert manifest["num_samples"] >= 900, manifest["skipped"]
     assert {"animals", "food", "symbols", "vehicles"} <= set(manifest["class_names"])
     assert 0.05 < manifest["splits"]["val"]["num_samples"] / manifest["num_samples"] < 0.15
 

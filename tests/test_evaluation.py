@@ -6,6 +6,7 @@ the Monte Carlo scorer all but solves the shapes VG-Relation and VG-Attribution 
 import gzip
 import io
 import json
+import math
 import pickle
 import struct
 import warnings
@@ -285,21 +286,27 @@ def test_bleu4_matches_a_hand_computation_and_identity_scores_one():
     assert same["bleu4"] == pytest.approx(1.0, abs=1e-6)
 
 
-def test_caption_metrics_equal_pycocoevalcap_on_normalised_text():
-    from pycocoevalcap.bleu.bleu import Bleu
-    from pycocoevalcap.cider.cider import Cider
+def test_cider_d_matches_a_hand_computation_on_two_images():
+    """CIDEr-D from its definition: per n = 1..4, tf-idf vectors (idf = log(#images / df), df = the
+    images whose references hold the n-gram), the candidate's weights clipped at the reference's,
+    cosine, a Gaussian length penalty exp(-δ²/2σ²) with σ = 6; mean over n, over references, ×10,
+    mean over images. With two images the idf of an n-gram is log 2 (one image) or 0 (both:
+    "a", "circle"), so every cosine below is a ratio of small integers."""
+    metrics = captioning.caption_metrics({"A": "A red red circle.", "B": "a blue square"},
+                                         {"A": ["a red circle"], "B": ["a blue square", "a blue circle"]})
+    # A: unigrams red 2w (clipped to w) against w: 1/2; bigrams (a red, red red, red circle) against
+    # (a red, red circle): 2/sqrt(3·2); no shared 3- or 4-gram; one word longer: δ = 1
+    image_a = 10 * math.exp(-1 / 72) * (1 / 2 + 2 / math.sqrt(6)) / 4
+    # B: the first reference is the candidate (1, 1, 1, no 4-gram); against "a blue circle" the
+    # unigrams share blue (1/sqrt(2)), the bigrams "a blue" (1/2), nothing longer
+    image_b = 10 * (3 / 4 + (1 / math.sqrt(2) + 1 / 2) / 4) / 2
+    assert metrics["cider"] == pytest.approx((image_a + image_b) / 2, rel=1e-9)
 
-    candidates = {0: "A small red circle above a blue square.", 1: "a large green triangle",
-                  2: "a yellow square to the left of a circle"}
-    references = {0: ["a small red circle above a large blue square", "a red circle over a blue square"],
-                  1: ["a large green triangle"], 2: ["a small yellow square to the left of a red circle"]}
-    ours = captioning.caption_metrics(candidates, references)
-    res = {k: [captioning.normalize_caption(v)] for k, v in candidates.items()}
-    gts = {k: [captioning.normalize_caption(r) for r in v] for k, v in references.items()}
+
+def test_caption_metrics_compare_normalised_text():
     assert captioning.normalize_caption("A small red circle, above!") == "a small red circle above"
-    assert ours["bleu4"] == pytest.approx(Bleu(4).compute_score(gts, res, verbose=0)[0][3])
-    assert ours["cider"] == pytest.approx(Cider().compute_score(gts, res)[0])
-    assert 0 < ours["bleu4"] < 1 and ours["cider"] > 0
+    shouted = captioning.caption_metrics({0: "A SMALL red circle, above!"}, {0: ["a small red circle above."]})
+    assert shouted["bleu4"] == pytest.approx(1.0, abs=1e-6)
 
 
 def test_group_by_image_collects_every_caption_of_an_image():
@@ -534,7 +541,7 @@ def test_zeroshot_and_captions_run_on_the_trained_model(trained, shapes_data):
     test = readers.read_split("shapes", str(shapes_data), "test")
     _, score = comp.get_scorer("montecarlo", "mdc")
     result = zeroshot.zeroshot_classify(model, test, score, zeroshot.SHAPES_TEMPLATES, samples=2, limit=16)
-    assert result["num_test"] == 16 and 0.0 <= result["accuracy"] <= 1.0
+    assert result["num_test"] == 16 and result["accuracy"] > 1 / 3  # three classes: above chance
     images = captioning.group_by_image(shards.read_shards(str(shapes_data / "val")), limit=8)
     captions = captioning.evaluate_captions(model, "mdc", images, lengths=(8, 20), batch_size=8)
     assert captions["skipped_lengths"] == [20] and list(captions["lengths"]) == ["8"]

@@ -10,6 +10,8 @@ from mdc.objectives.autoregressive import autoregressive_io, autoregressive_loss
 from mdc.objectives.masked import T_MIN, mask_tokens, masked_diffusion_loss, sample_t
 from mdc.registry import compute_loss
 
+from helpers import ConstantNLL
+
 # A toy vocabulary: words 0..3, then the special ids.
 BOS, EOS, MASK, PAD = 4, 5, 6, 7
 VOCAB = 8
@@ -99,16 +101,6 @@ def test_mdc_loss_of_a_batch_with_nothing_masked_is_zero_and_differentiable():
     assert torch.equal(table.grad, torch.zeros_like(table))
 
 
-class ConstantNLL(nn.Module):
-    """A stand-in whose every prediction is uniform over the vocabulary: each token's NLL is
-    ℓ = log VOCAB, so the ELBO of a caption, per token, is exactly ℓ."""
-
-    mask_id, pad_id, bos_id, eos_id = MASK, PAD, BOS, EOS
-
-    def forward(self, images, tokens, t=None, causal=False, where=None):
-        return torch.zeros(int(where.sum()), VOCAB)
-
-
 @pytest.mark.parametrize("length", [1, 3, 8])
 @pytest.mark.parametrize("omega_l, omega_u, tolerance", [(0.001, 1.0, 0.05), (0.5, 1.0, 0.05), (0.0, 1.0, 0.15)])
 def test_mdc_loss_is_an_unbiased_estimate_of_the_elbo(length, omega_l, omega_u, tolerance):
@@ -120,7 +112,8 @@ def test_mdc_loss_is_an_unbiased_estimate_of_the_elbo(length, omega_l, omega_u, 
     draws, ell = 1500, math.log(VOCAB)
     tokens = torch.where(torch.arange(8) < length, 0, PAD).repeat(32, 1)
     generator = torch.Generator().manual_seed(length)
-    ratios = torch.tensor([masked_diffusion_loss(ConstantNLL(), None, tokens, "mdc", omega_l, omega_u,
+    uniform = ConstantNLL(VOCAB, mask_id=MASK, pad_id=PAD, bos_id=BOS, eos_id=EOS)
+    ratios = torch.tensor([masked_diffusion_loss(uniform, None, tokens, "mdc", omega_l, omega_u,
                                                  generator=generator)[0].item() / ell for _ in range(draws)])
     standard_error = ratios.std().item() / math.sqrt(draws)
     assert standard_error < tolerance / 4

@@ -152,13 +152,17 @@ def test_relaunch_skips_a_damaged_checkpoint(ray_cluster, shapes_dir, tmp_path):
     """A run stopped at step 7, its newest checkpoint (6) then damaged on disk: launching it again
     resumes from checkpoint 3, with exactly the weights saved there."""
     cfg = fault_config(tmp_path, "damaged", shapes_dir, max_failures=0)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception, match="injected fault at step 7"):
         run_training(cfg, fault=Fault(step=7, rank=0, marker=str(tmp_path / "fired"), kill=False))
+    assert (tmp_path / "fired").read_text() == "7"  # the first launch stopped where it was told to
     run_dir = tmp_path / "ckpt" / "damaged"
-    shard = run_dir / "checkpoint_00000006" / "__1_0.distcp"
+    newest = run_dir / "checkpoint_00000006"
+    assert ckpt.problem(str(newest)) is None  # complete before the flip, so only the flip can reject it
+    shard = newest / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
+    assert ckpt.problem(str(newest)) == "__1_0.distcp does not match its CRC-32 in " + ckpt.MARKER
     summary = run_training(cfg)
 
     assert [s for s, _ in metric_steps(cfg, summary.mlflow_run_id)] == [1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8]

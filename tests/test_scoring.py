@@ -6,6 +6,8 @@ import torch
 from mdc.models.captioner import Captioner
 from mdc.scoring import autoregressive_score, monte_carlo_elbo, pseudo_log_likelihood
 
+from helpers import ConstantNLL
+
 MASK, PAD, BOS, EOS = 49408, 49409, 49406, 49407
 
 
@@ -109,22 +111,6 @@ def test_common_random_numbers_lower_the_variance_of_differences(model):
     assert (var_crn < var_indep / 10).all(), (var_crn, var_indep)
 
 
-class ConstantNLL:
-    """A stand-in decoder predicting uniformly over `vocab` words: log p(C | V) = −N·log(vocab)
-    for an N-token caption, the answer an unbiased ELBO estimate must average to."""
-
-    mask_id, pad_id, vocab = MASK, PAD, 16
-
-    def encode(self, images):
-        return images
-
-    def image_keys_values(self, features):
-        return features
-
-    def decode(self, tokens, image_kv, t=None, where=None):
-        return torch.zeros(int(where.sum()), self.vocab)
-
-
 @pytest.mark.parametrize("length", [1, 3, 8])
 @pytest.mark.parametrize("omega_l, tolerance", [(0.001, 0.05), (0.0, 0.15)])
 def test_monte_carlo_elbo_is_unbiased_for_every_caption_length(length, omega_l, tolerance):
@@ -132,7 +118,7 @@ def test_monte_carlo_elbo_is_unbiased_for_every_caption_length(length, omega_l, 
     The per-caption spread is at most sqrt((ln(1/T_MIN) − 1)/8) ≈ 0.86 of the answer (1 token), so
     over 400 × 32 the standard error is below 0.008; the test checks it is under a quarter of the
     tolerance."""
-    model, rounds = ConstantNLL(), 400
+    model, rounds = ConstantNLL(16, mask_id=MASK, pad_id=PAD, bos_id=BOS, eos_id=EOS), 400
     tokens = torch.where(torch.arange(8) < length, 0, PAD).repeat(32, 1)
     truth = -length * math.log(model.vocab)
     generator = torch.Generator().manual_seed(length)

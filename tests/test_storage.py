@@ -1,20 +1,14 @@
 """Local and S3 (moto server) storage: round trips, listing, and fast, clear failures."""
 
-import socket
 import time
 
 import pytest
 
 from mdc.data import shapes, shards, storage
 from mdc.data.shards import Sample
+from helpers import closed_port
 
 PNG = shapes.make_shape(0, seed=0).image
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_local_listing_is_recursive_sorted_and_filtered(tmp_path):

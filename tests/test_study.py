@@ -10,7 +10,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
-from pipelines import tracking
+from pipelines import study, tracking
 from pipelines.cli import app
 from pipelines.study import CLAIM_FIELDS, StudyError, load_plan, paired_interval, run_configs, run_study, verdict
 
@@ -48,7 +48,6 @@ def test_verdicts_for_a_claim_that_holds_one_reversed_and_one_inconclusive():
 
 def test_runs_built_alike_share_one_random_init_probe(monkeypatch):
     from mdc.config import load_config
-    from pipelines import study
 
     probed = []
     monkeypatch.setattr(study, "_RANDOM_INIT_PROBES", {})
@@ -99,7 +98,7 @@ def test_an_arm_config_error_names_the_arm_and_the_field(tmp_path):
         run_configs(plan, path, tmp_path / "out")
 
 
-def test_a_bad_plan_stops_the_command_before_any_run(tmp_path):
+def test_a_bad_plan_stops_the_command_before_any_run(tmp_path, ray_forbidden):
     path = write_plan(tmp_path, claims=[{"name": "x", "metric": "probe_accuracy", "arm_a": "mdc", "arm_b": "bert"}])
     result = CliRunner().invoke(app, ["study", "--plan", str(path), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2
@@ -132,8 +131,13 @@ def test_smoke_study_runs_through_ray_writes_the_report_and_reruns_nothing(ray_c
     assert sorted(r.data.tags["mdc.run_name"] for r in children) == \
         ["smoke-cmlm-s0", "smoke-cmlm-s1", "smoke-mdc-s0", "smoke-mdc-s1"]
 
-    def no_training(*args, **kwargs):
-        raise AssertionError("a finished run was trained again")
+    def rerun(*args, **kwargs):
+        raise AssertionError("a finished run was trained or evaluated again")
 
-    monkeypatch.setattr("pipelines.train.run_training", no_training)
+    # what study.py itself calls (a patch of pipelines.train would miss its by-name import)
+    monkeypatch.setattr(study, "run_training", rerun)
+    monkeypatch.setattr(study, "evaluate_checkpoint", rerun)
     assert run_study(plan, SMOKE, tmp_path) == claims
+    again = client.search_runs([parent.info.experiment_id],
+                               filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert {(r.info.run_id, r.info.end_time) for r in again} == {(r.info.run_id, r.info.end_time) for r in children}
