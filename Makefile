@@ -1,9 +1,10 @@
 # `make demo`: set up and run the main job on the embedded defaults.
 # `make test`: set up and run the test suite (what CI runs).
+# `make test-fast`: the tests that start no Ray (the `ray` marker, tests/conftest.py).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench mutation
+.PHONY: setup demo test test-fast bench mutation
 
 setup: $(VENV)/.installed
 
@@ -18,6 +19,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not ray"
 
 bench: setup
 	$(PY) -m benchmarks.ingest

@@ -141,4 +141,4 @@ class ProgressDisplay:
         if wait is not None and wait > DATA_WAIT_WARNING and run not in self.warned:
             self.warned.add(run)
             self.print(Text.assemble((f"{run}: ", "yellow"), f"waiting for data {wait:.0%} of the step time: the "
-                                     "input pipeline is the bottleneck (more CPUs for ingest: README, cores per GPU)"))
+                                     "input pipeline is the bottleneck (more CPUs for ingest: docs/clusters.md, cores per GPU)"))
