@@ -78,7 +78,8 @@ def log_training_report(cfg: RunConfig, summary: TrainSummary, reporter: progres
     try:
         with tempfile.TemporaryDirectory() as directory:
             paths = reports.training_report(cfg, summary, Path(directory))
-            tracking.log_artifacts(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id, paths, "report")
+            tracking.log_artifacts(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id, paths,
+                                   "report")
     except Exception as err:
         reporter.note(f"no training report: {type(err).__name__}: {err}", warning=True)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch.distributed as dist
 
@@ -16,8 +16,9 @@ BAD_RECORDS_KEY = "skipped_by_shard"  # rank 0's bad-record counts per shard in 
 class DataCursor:
     """The epoch, this rank's per-shard tally, the shards the epoch passes over (consumed before a
     resume) and, through the ingest actors, the bad-record counts. `batches` yields one epoch of
-    optimiser-step batches (`what`, e.g. "batch of 16 in s3://...", names them in errors) from `source(epoch)`, through a `BatchFeed` that turns a stall into an
-    error and adds up the time spent waiting (`wait_s`). Its checkpoint part is `state`."""
+    optimiser-step batches from `source(epoch)` (`what` names them in errors), through a
+    `BatchFeed` that turns a stall into an error and adds up the time spent waiting (`wait_s`).
+    Its checkpoint part is `state`."""
 
     def __init__(self, source: Callable[[int], Iterable[dict]], feed: BatchFeed, actors: IngestActors | None,
                  shard_list_id: str, num_shards: int, seed: int, rank: int, what: str = "a batch"):
