@@ -83,7 +83,8 @@ class Trainer:
         images, tokens = self._inputs(batch, step)
         noise = step_generator(self.cfg.train.seed, self.rank, step, self.device)
         metrics = device_step(self.model, self.optimizer, self.scheduler, images, tokens, self.cfg.objective,
-                              self.cfg.optim.grad_clip, noise, self.ema, micro_batches=self.cfg.train.accumulation_steps)
+                              self.cfg.optim.grad_clip, noise, self.ema,
+                              micro_batches=self.cfg.train.accumulation_steps)
         for callback in self.callbacks:
             callback.trained(step, self.cursor.epoch, self.rank, batch)
         self.metrics.record(step, metrics, tokens, epoch=self.cursor.epoch)
