@@ -1,17 +1,18 @@
 # `make demo`: set up and run the main job on the embedded defaults.
-# `make test`: set up and run the test suite (what CI runs).
-# `make test-fast`: the tests that start no Ray (the `ray` marker, tests/conftest.py).
+# `make test`: set up and run the whole test suite (what CI runs).
+# `make test-fast`: the tests that start no Ray and train nothing end to end, and the linter (minutes).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast bench mutation
+.PHONY: setup demo test test-fast lint bench mutation
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# constraints.txt: the versions the suite was run with (`pip freeze`), so an install is reproducible
+$(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
 demo: setup
@@ -20,8 +21,12 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
-test-fast: setup
-	$(PY) -m pytest -q -m "not ray"
+test-fast: setup lint
+	$(PY) -m pytest -q -m "not ray and not slow"
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench: setup
 	$(PY) -m benchmarks.ingest

@@ -20,24 +20,23 @@ from moto.server import ThreadedMotoServer
 
 from benchmarks.train_throughput import init_single_process_group, training_setup
 from mdc.config import ObjectiveConfig, load_config
-from mdc.train import checkpoint as ckpt
 from mdc.train.step import train_step
-from pipelines.train import _save_checkpoint
+from pipelines.worker.checkpointer import Checkpointer
 
 
-def step_times(cfg, run_dir: str, steps: int, every: int, background) -> list[float]:
+def step_times(cfg, run_dir: str, steps: int, every: int) -> list[float]:
     model, optimizer, scheduler, (images, tokens) = training_setup(cfg.model.preset, 16, "cpu", False, True,
                                                                    False, False)
+    checkpointer = Checkpointer(cfg, run_dir, 0, model, optimizer, scheduler, None)
     times = []
     for step in range(1, steps + 1):
         start = time.perf_counter()
         metrics = train_step(model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0)
         if step % every == 0:
-            _save_checkpoint(cfg, run_dir, model, optimizer, scheduler, None,
-                             {"step": step, "epoch": 0, "metrics": metrics}, {}, 0, None, background)
+            checkpointer.save({"step": step, "epoch": 0, "metrics": metrics}, {})
         times.append(time.perf_counter() - start)
-    if background is not None:
-        background.wait()
+    if checkpointer.background is not None:
+        checkpointer.background.wait()
     return times
 
 
@@ -60,10 +59,9 @@ def main() -> None:
     try:
         for mode in ("sync", "async"):
             cfg = load_config(None, [f"model.preset={args.preset}", "train.steps=100000", "train.batch_size=32",
-                                     "data.max_length=32",
+                                     "data.max_length=32", f"train.async_checkpoint={mode == 'async'}",
                                      f"data.endpoint_url={endpoint}", "data.val_uri=null"])
-            background = ckpt.Background() if mode == "async" else None
-            times = step_times(cfg, f"s3://stall/{mode}", args.steps, args.every, background)
+            times = step_times(cfg, f"s3://stall/{mode}", args.steps, args.every)
             results[mode] = {"longest_step_s": max(times), "median_step_s": statistics.median(times)}
     finally:
         dist.destroy_process_group()

@@ -5,8 +5,9 @@ equals it, which tests/test_config.py checks."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -135,16 +136,28 @@ class RunConfig(_Section):
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _time_for_the_objective(cls, raw):
+        """A continuous denoiser must know its noise level: its objective turns time conditioning
+        on in the input, before validation, so no validator changes a validated config."""
+        if not isinstance(raw, dict):
+            return raw
+        objective = raw.get("objective", {})
+        name = objective.get("name", "mdc") if isinstance(objective, dict) else getattr(objective, "name", "mdc")
+        if name in OBJECTIVES and OBJECTIVES[name].time == "required":
+            model = raw.get("model", {})
+            model = model.model_dump() if isinstance(model, BaseModel) else dict(model)
+            raw = {**raw, "model": {**model, "time_conditioning": True}}
+        return raw
+
     @model_validator(mode="after")
     def _objective_needs(self) -> RunConfig:
         if self.model.predict_length and self.objective.name not in MASKED_OBJECTIVES:
             raise ValueError(f"model.predict_length applies to {MASKED_OBJECTIVES}, not {self.objective.name!r}")
-        time = OBJECTIVES[self.objective.name].time
-        if self.model.time_conditioning and time == "never":
+        if self.model.time_conditioning and OBJECTIVES[self.objective.name].time == "never":
             raise ValueError(f"model.time_conditioning=true needs a noise level t, which {self.objective.name!r} "
                              "has not; set it false for autoregressive objectives")
-        if time == "required" and not self.model.time_conditioning:
-            self.model.time_conditioning = True  # a continuous denoiser must know its noise level
         return self
 
 
@@ -153,18 +166,22 @@ def _parse_value(text: str):
     return yaml.safe_load(text) if text != "" else ""
 
 
+def _set(raw: dict, dotted: str, value, item: str) -> None:
+    node = raw
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+    node[leaf] = value
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         dotted, value = item.split("=", 1)
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        node[leaf] = _parse_value(value)
+        _set(raw, dotted, _parse_value(value), item)
     return raw
 
 
@@ -196,6 +213,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     return build_config(apply_overrides(raw, list(overrides)), source=str(path or "<defaults>"))
+
+
+def derive(cfg: RunConfig, overrides: Mapping[str, Any] | Sequence[str] = ()) -> RunConfig:
+    """The one way to make a config from another: `cfg` with `overrides` (dotted keys to values,
+    taken as given, or `section.key=value` strings, values read as YAML) on a copy of its fields,
+    validated once."""
+    raw = cfg.model_dump()
+    if isinstance(overrides, Mapping):
+        for dotted, value in overrides.items():
+            _set(raw, dotted, value, dotted)
+    else:
+        apply_overrides(raw, list(overrides))
+    return build_config(raw, source=f"derived from {cfg.name}")
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -24,7 +24,7 @@ from typing import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from mdc.config import RunConfig, load_config
+from mdc.config import RunConfig, derive, load_config
 from mdc.data import shards
 from mdc.data.shapes import write_shapes_dataset
 from mdc.data.storage import join
@@ -99,11 +99,22 @@ def evaluate_checkpoint(checkpoint: str, data_uri: str, endpoint_url: str | None
 def compare_config(base: RunConfig, objective: str, data_uri: str, name: str) -> RunConfig:
     """The base config with this objective and run name; training data = data_uri/train, no val loss
     (the held-out evaluation is the table)."""
-    raw = base.model_dump()
-    raw.update(name=f"{name}-{objective}")
-    raw["objective"]["name"] = objective
-    raw["data"].update(train_uri=join(data_uri, "train"), val_uri=None)
-    return RunConfig.model_validate(raw)
+    return derive(base, {"name": f"{name}-{objective}", "objective.name": objective,
+                         "data.train_uri": join(data_uri, "train"), "data.val_uri": None})
+
+
+def write_tables(title: str, rows: list[Row], workdir: Path, console: Console) -> None:
+    """compare.md, compare.html and the console's table."""
+    titles = [title for title, _ in COLUMNS.values()]
+    (workdir / "compare.md").write_text(f"# {title}\n\n{reports.markdown_table(titles, [row.cells() for row in rows])}")
+    (workdir / "compare.html").write_text(reports.page(title, [("Objectives", reports.table_html(
+        [dict(zip(titles, row.cells())) for row in rows]))]))
+    table = Table(title=title)
+    for field, (header, _) in COLUMNS.items():
+        table.add_column(header, justify="left" if field == "objective" else "right")
+    for row in rows:
+        table.add_row(*row.cells())
+    console.print(table)
 
 
 def run_compare(objectives: Sequence[str], workdir: Path, data_uri: str | None = None, config: Path | None = None,
@@ -153,16 +164,7 @@ def run_compare(objectives: Sequence[str], workdir: Path, data_uri: str | None =
         raise
 
     title = f"mdc compare: {', '.join(objectives)} on {data_uri}, {base.train.steps} steps"
-    titles = [title for title, _ in COLUMNS.values()]
-    (workdir / "compare.md").write_text(f"# {title}\n\n{reports.markdown_table(titles, [row.cells() for row in rows])}")
-    (workdir / "compare.html").write_text(reports.page(title, [("Objectives", reports.table_html(
-        [dict(zip(titles, row.cells())) for row in rows]))]))
-    table = Table(title=title)
-    for field, (title, _) in COLUMNS.items():
-        table.add_column(title, justify="left" if field == "objective" else "right")
-    for row in rows:
-        table.add_row(*row.cells())
-    console.print(table)
+    write_tables(title, rows, workdir, console)
     parent_metrics = {f"{row.objective}/{k}": v for row in rows for k, v in asdict(row).items() if isinstance(v, float)}
     tracking.log_evaluation(mlflow_uri, parent_metrics, [workdir / "compare.md", workdir / "compare.html"], run_id=parent)
     tracking.finish_run(mlflow_uri, parent)

@@ -231,10 +231,10 @@ def build_dataset(uri: str, image_size: int, max_length: int, counter=None, endp
 def stalled_operator() -> str:
     """The first operator of the newest running training dataset that has completed no task,
     from Ray Data's own progress records (what its progress bar shows)."""
-    from ray.data._internal.stats import STATS_ACTOR_NAME, STATS_ACTOR_NAMESPACE  # private: only to explain a stall
+    from pipelines import ray_private
 
     try:
-        stats = ray.get_actor(STATS_ACTOR_NAME, namespace=STATS_ACTOR_NAMESPACE)
+        stats = ray_private.data_stats_actor()
         datasets = ray.get(stats.get_datasets.remote(), timeout=10)
     except Exception as e:  # a diagnosis must never hide the stall it explains
         return f"Ray Data's progress is unavailable ({type(e).__name__})"

@@ -71,22 +71,22 @@ def consumed_shards(trained: np.ndarray, totals: np.ndarray) -> set[int]:
 
 class ShardTally:
     """One rank's rows trained on per shard in this epoch, since this process started it; `skipped`
-    are the shards it passes over, consumed before a resume."""
+    are the shards it passes over, consumed before a resume. Counted in torch on the host, from
+    the batch's host tensors: a step adds to it without reading anything back from a device."""
 
     def __init__(self, num_shards: int, skipped: frozenset[int] = frozenset()):
-        self.trained = np.zeros(num_shards, np.int64)
-        self.totals = np.zeros(num_shards, np.int64)
+        self.trained = torch.zeros(num_shards, dtype=torch.int64)
+        self.totals = torch.zeros(num_shards, dtype=torch.int64)
         self.skipped = skipped
 
     def add(self, shard: torch.Tensor, shard_rows: torch.Tensor) -> None:
-        shard, shard_rows = shard.cpu().numpy(), shard_rows.cpu().numpy()
-        self.trained += np.bincount(shard, minlength=len(self.trained))
-        np.maximum.at(self.totals, shard, shard_rows)
+        self.trained += torch.bincount(shard, minlength=len(self.trained))
+        self.totals.scatter_reduce_(0, shard, shard_rows, reduce="amax")
 
     def consumed(self, device) -> tuple[int, ...]:
         """Collective: the shards consumed this epoch by all ranks together."""
-        # copies (torch.tensor, not from_numpy): the tally must not take the reduction in place
-        trained, totals = (torch.tensor(a, device=device) for a in (self.trained, self.totals))
+        # copies: the tally must not take the reduction in place
+        trained, totals = (a.to(device, copy=True) for a in (self.trained, self.totals))
         dist.all_reduce(trained)
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
         return tuple(sorted(self.skipped | consumed_shards(trained.cpu().numpy(), totals.cpu().numpy())))

@@ -15,14 +15,12 @@ import traceback
 from pathlib import Path
 
 import ray
-import ray._private.worker as ray_worker
 import ray.data
 import typer
-from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-from ray._private.worker import print_to_stdstream
 
 from mdc.config import RunConfig
 from mdc.data import storage
+from pipelines import ray_private
 from pipelines.console import RunFailed, UserError, console, first_line_of, user_error_types
 
 PROBE_TIMEOUT_S = 3.0
@@ -60,7 +58,7 @@ def connect_ray(address: str | None = None, num_cpus: int | None = None) -> None
         ray.init(address=named)
         _LogRoute.install()
         return
-    recorded = ray._private.utils.read_ray_address()  # what the last `ray start` wrote
+    recorded = ray_private.recorded_address()
     if named != "local" and recorded:
         target = _host_port(recorded)
         if target and _answers(*target):
@@ -130,16 +128,12 @@ class _LogRoute:
         so this runs on entering ray_output_to and again after connect_ray."""
         if cls.handler is None or not ray.is_initialized():
             return
-        cls.replaced |= any(name == "ray_print_logs" for name, _ in dispatcher.handlers)
-        dispatcher.remove_handler("ray_print_logs")
-        dispatcher.remove_handler("mdc_log_file")
-        dispatcher.add_handler("mdc_log_file", cls.handler)
+        cls.replaced |= ray_private.has_ray_printer()
+        ray_private.set_output_handler("mdc_log_file", cls.handler)
 
     @classmethod
     def uninstall(cls) -> None:
-        dispatcher.remove_handler("mdc_log_file")
-        if cls.replaced:
-            dispatcher.add_handler("ray_print_logs", lambda data: print_to_stdstream(data, ignore_prefix=False))
+        ray_private.remove_output_handler("mdc_log_file", restore_ray_printer=cls.replaced)
         cls.handler, cls.replaced = None, False
 
 
@@ -151,7 +145,22 @@ def ray_output_to(log_file: Path):
     sys.stderr stays on the console). Lines that workers print with an `[mdc] ` prefix (rank 0's
     notices) still reach the console, once each."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    sink = open(log_file, "a", buffering=1)
+    with open(log_file, "a", buffering=1) as sink, contextlib.ExitStack() as stack:
+        route = _router(sink)
+        stack.enter_context(_loggers_to(sink))
+        data_context = ray.data.DataContext.get_current()
+        bars, data_context.enable_progress_bars = data_context.enable_progress_bars, False
+        stack.callback(setattr, data_context, "enable_progress_bars", bars)
+        stack.enter_context(ray_private.raylet_notices_to(route))
+        _LogRoute.handler = route
+        _LogRoute.install()
+        stack.callback(_LogRoute.uninstall)
+        stack.enter_context(_fd2_to(sink))
+        yield log_file
+
+
+def _router(sink):
+    """Forwarded lines into `sink`; `[mdc] ` ones also on the console, once each."""
     last_shown = [None]
 
     def route(data: dict) -> None:
@@ -162,6 +171,12 @@ def ray_output_to(log_file: Path):
                 last_shown[0] = line
                 console.print(line.removeprefix("[mdc] "), markup=False, highlight=False)
 
+    return route
+
+
+@contextlib.contextmanager
+def _loggers_to(sink):
+    """Ray's and MLflow's Python loggers write to `sink` instead of the console."""
     handler = logging.StreamHandler(sink)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     swapped = []
@@ -174,34 +189,31 @@ def ray_output_to(log_file: Path):
         if name == "ray" or not logger.propagate:
             logger.addHandler(handler)
             swapped.append((logger, None))
-    data_context = ray.data.DataContext.get_current()
-    bars = data_context.enable_progress_bars
-    data_context.enable_progress_bars = False
-    _LogRoute.handler = route
-    raylet_notices = ray_worker.print_to_stdstream  # how the raylet's notices reach this console
-    ray_worker.print_to_stdstream = lambda data, ignore_prefix: route(data)
-    _LogRoute.install()
+    try:
+        yield
+    finally:
+        for logger, old in swapped:
+            if old is None:
+                logger.removeHandler(handler)
+            else:
+                logger.addHandler(old)
+
+
+@contextlib.contextmanager
+def _fd2_to(sink):
+    """File descriptor 2 (where Ray's C++ core writes) into `sink`; Python's sys.stderr stays."""
     sys.stderr.flush()
     saved_fd2, real_stderr = os.dup(2), sys.stderr
     os.dup2(sink.fileno(), 2)
     sys.stderr = os.fdopen(os.dup(saved_fd2), "w", buffering=1)
     try:
-        yield log_file
+        yield
     finally:
         sys.stderr.flush()
         sys.stderr.close()
         sys.stderr = real_stderr
         os.dup2(saved_fd2, 2)
         os.close(saved_fd2)
-        ray_worker.print_to_stdstream = raylet_notices
-        _LogRoute.uninstall()
-        data_context.enable_progress_bars = bars
-        for logger, old in swapped:
-            if old is None:
-                logger.removeHandler(handler)
-            else:
-                logger.addHandler(old)
-        sink.close()
 
 
 def _free_port() -> int:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rich.console import Console
 from scipy import stats
 
-from mdc.config import DEFAULT_CONFIG, ConfigError, RunConfig, load_config
+from mdc.config import DEFAULT_CONFIG, ConfigError, RunConfig, derive, load_config
 from mdc.data import shards, tuxpaint
 from mdc.data.shapes import write_shapes_dataset
 from mdc.data.storage import join
@@ -204,7 +204,7 @@ def run_configs(plan: Plan, plan_path: Path, out: Path) -> dict[tuple[str, int],
     """Every (arm, seed)'s validated config: base config ← study paths ← budget ← arm ← seed.
     A config error names the arm and the field, before anything runs."""
     base = Path(plan_path).parent / plan.config if plan.config else DEFAULT_CONFIG
-    configs = {}
+    configs, base = {}, load_config(base)
     for arm, overrides in plan.arms.items():
         overrides = {k: v for k, v in overrides.items() if k != "data"}
         root = dataset_root(plan, arm, out)
@@ -213,7 +213,7 @@ def run_configs(plan: Plan, plan_path: Path, out: Path) -> dict[tuple[str, int],
         for seed in plan.seeds:
             items = {**study, **plan.budget, **overrides, "train.seed": seed, "name": run_name(plan, arm, seed)}
             try:
-                configs[arm, seed] = load_config(base, [f"{k}={_yaml_scalar(v)}" for k, v in items.items()])
+                configs[arm, seed] = derive(base, items)
             except ConfigError as err:
                 raise StudyError(f"arms.{arm} (seed {seed}): {err}") from None
     for i, claim in enumerate(plan.claims):
@@ -230,11 +230,6 @@ def run_configs(plan: Plan, plan_path: Path, out: Path) -> dict[tuple[str, int],
             if match and OBJECTIVES[cfg.objective.name].write is None:
                 raise StudyError(f"claims.{i}.metric: arm {arm!r} is {cfg.objective.name!r}, which writes no captions")
     return configs
-
-
-def _yaml_scalar(value) -> str:
-    """An override value as `key=value` text that YAML reads back as the same value."""
-    return "null" if value is None else yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...")
 
 
 def prepare_data(plan: Plan, out: Path) -> None:

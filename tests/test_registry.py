@@ -13,7 +13,7 @@ from mdc.data.tokenizer import CaptionTokenizer
 from mdc.evaluation import compositionality as comp
 from mdc.objectives.masked import T_MIN
 from mdc.registry import MASKED_OBJECTIVES, OBJECTIVES, build_model, compute_loss, write_captions
-from pipelines.train import validation_objective
+from pipelines.worker.validator import validation_objective
 
 MASK = 49408
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 
 import numpy as np
@@ -55,12 +56,17 @@ class ImageTransform:
 def normalize(pixels: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
     """uint8 (N, 3, S, S) -> float32 CLIP-normalised, as numpy or (on its device) torch."""
     if isinstance(pixels, torch.Tensor):
-        mean = torch.tensor(CLIP_MEAN, device=pixels.device).view(1, 3, 1, 1)
-        std = torch.tensor(CLIP_STD, device=pixels.device).view(1, 3, 1, 1)
+        mean, std = _constants(pixels.device)
         return (pixels.float() / 255.0 - mean) / std
     mean = np.asarray(CLIP_MEAN, dtype=np.float32).reshape(1, 3, 1, 1)
     std = np.asarray(CLIP_STD, dtype=np.float32).reshape(1, 3, 1, 1)
     return (pixels.astype(np.float32) / 255.0 - mean) / std
+
+
+@functools.lru_cache(maxsize=8)
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """CLIP's mean and std, copied to `device` once rather than at every batch."""
+    return tuple(torch.tensor(c, device=device).view(1, 3, 1, 1) for c in (CLIP_MEAN, CLIP_STD))
 
 
 def preprocess_batch(images: list[bytes], image_size: int, normalized: bool = True) -> tuple[np.ndarray, list[bool]]:

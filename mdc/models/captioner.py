@@ -189,9 +189,11 @@ class Captioner(nn.Module):
         if self.concentrated_attention:
             keys = keys & (tokens != self.mask_id)
         mask = keys[:, None, :].expand(b, n, n)
-        causal = torch.as_tensor(causal, device=tokens.device).expand(b)
         lower = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
-        mask = torch.where(causal[:, None, None], mask & lower, mask)
+        if isinstance(causal, bool):  # a Python branch: no host-to-device copy of the flag
+            mask = mask & lower if causal else mask
+        else:  # per row (CapPa mixes both in a batch)
+            mask = torch.where(causal.expand(b)[:, None, None], mask & lower, mask)
         return (mask | torch.eye(n, dtype=torch.bool, device=tokens.device))[:, None]
 
     def image_keys_values(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

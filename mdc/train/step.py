@@ -54,13 +54,30 @@ class EMA:
 
 def train_step(model, optimizer, scheduler, images, tokens, objective, grad_clip: float,
                generator=None, ema: EMA | None = None, micro_batches: int = 1) -> dict:
-    """Forward, backward, clip, step. Returns float metrics (loss, lr, grad_norm, ...).
+    """`device_step` with its metrics read back as floats: for callers that look at every step
+    (tests, benchmarks); each read is a host sync."""
+    metrics = device_step(model, optimizer, scheduler, images, tokens, objective, grad_clip, generator, ema,
+                          micro_batches)
+    return {k: float(as_plain(v)) for k, v in metrics.items()}
+
+
+def as_plain(value):
+    """A DTensor metric (FSDP2's grad norm) as a plain tensor; a collective for a sharded one."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def device_step(model, optimizer, scheduler, images, tokens, objective, grad_clip: float,
+                generator=None, ema: EMA | None = None, micro_batches: int = 1) -> dict:
+    """Forward, backward, clip, step. Returns the metrics (loss, grad_norm, ...) as tensors on the
+    device, so a step forces no host sync, and lr as a float (the scheduler's, on the host).
 
     With `micro_batches` > 1 the batch is split into that many equal micro-batches whose gradients
     accumulate before the one optimiser step: each micro-batch's loss is divided by their number,
     so the step is the full batch's step when every micro-batch has the same loss normaliser
-    (e.g. as many caption tokens). An FSDP2 model reduces gradients across ranks only on the last
-    micro-batch. Noise draws come from `generator` in micro-batch order."""
+    (e.g. as many caption tokens). An FSDP2 model reduces gradients across ranks, and frees its
+    gathered parameters after backward, only on the last micro-batch: the others reuse the
+    parameters the first one gathered (one all-gather per step, not one per micro-batch). Noise
+    draws come from `generator` in micro-batch order."""
     if images.shape[0] % micro_batches:
         raise ValueError(f"a batch of {images.shape[0]} does not split into {micro_batches} micro-batches")
     fsdp = isinstance(model, FSDPModule)
@@ -68,7 +85,9 @@ def train_step(model, optimizer, scheduler, images, tokens, objective, grad_clip
     totals: dict = {}
     for i, (imgs, toks) in enumerate(zip(images.chunk(micro_batches), tokens.chunk(micro_batches))):
         if fsdp:
-            model.set_requires_gradient_sync(i == micro_batches - 1)
+            last = i == micro_batches - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
         loss, metrics = compute_loss(model, imgs, toks, objective, generator)
         (loss / micro_batches).backward()
         for key, value in {"loss": loss.detach(), **metrics}.items():
@@ -78,7 +97,4 @@ def train_step(model, optimizer, scheduler, images, tokens, objective, grad_clip
     scheduler.step()
     if ema is not None:
         ema.update(model)
-    out = {**totals, "grad_norm": grad_norm}
-    out = {k: float(v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in out.items()}
-    out["lr"] = scheduler.get_last_lr()[0]
-    return out
+    return {**totals, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0]}

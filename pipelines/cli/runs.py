@@ -14,7 +14,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from mdc.config import DEFAULT_CONFIG, load_config
+from mdc.config import DEFAULT_CONFIG, derive, load_config
 from mdc.data import storage
 from mdc.registry import OBJECTIVES
 from pipelines import runtime
@@ -107,7 +107,7 @@ def compare(ctx: typer.Context,
     with user_errors():
         base = load_config(config, overrides)
         for objective in names:  # every objective's config must be valid before anything trains
-            load_config(config, [*overrides, f"objective.name={objective}"])
+            derive(base, {"objective.name": objective})
         if data:
             data = runtime.absolute_uri(data)
             storage.check_reachable(storage.join(data, "train"), base.data.endpoint_url)
@@ -153,7 +153,7 @@ def scaling(ctx: typer.Context,
         probe = experiment.Probe(probe_dataset, probe_root, base.data.endpoint_url)
         probe.check()
         if "val" in manifest.get("splits", {}) and not any(arg.startswith("data.val_uri=") for arg in ctx.args):
-            base.data.val_uri = storage.join(experiment.parent_uri(data), "val")
+            base = derive(base, {"data.val_uri": storage.join(experiment.parent_uri(data), "val")})
         runtime.check_inputs(base)
         log = (Path(base.storage_uri) if "://" not in base.storage_uri else Path("mdc-logs")).resolve() / name
         with runtime.ray_session(log / "ray.log", address, verbose):

@@ -1,0 +1,69 @@
+"""Every use of Ray's private modules, in one place, for what Ray has no public switch for: the
+printer of the workers' forwarded output (replaced to route it to a file while `[mdc] ` lines
+still reach the console), the current-cluster file `ray start` writes, and Ray Data's progress
+records (to say which operator a stalled run waits on). Tested on the Ray versions below;
+tests/test_ray_private.py fails, naming the attribute, when an upgrade removes one."""
+
+from __future__ import annotations
+
+import contextlib
+
+import ray
+import ray._private.ray_logging
+import ray._private.utils
+import ray._private.worker
+
+TESTED_RAY_VERSIONS = ("2.60.0",)
+USED = (  # (module, attribute): what this module reads
+    ("ray._private.worker", "print_to_stdstream"),
+    ("ray._private.ray_logging", "global_worker_stdstream_dispatcher"),
+    ("ray._private.utils", "read_ray_address"),
+    ("ray.data._internal.stats", "STATS_ACTOR_NAME"),
+    ("ray.data._internal.stats", "STATS_ACTOR_NAMESPACE"),
+)
+RAY_PRINTER = "ray_print_logs"  # the name ray.init gives its printer of forwarded worker output
+
+
+def recorded_address() -> str | None:
+    """The address the last `ray start` on this machine wrote, if any."""
+    return ray._private.utils.read_ray_address()
+
+
+def _dispatcher():
+    return ray._private.ray_logging.global_worker_stdstream_dispatcher
+
+
+def has_ray_printer() -> bool:
+    return any(name == RAY_PRINTER for name, _ in _dispatcher().handlers)
+
+
+def set_output_handler(name: str, handler) -> None:
+    """Forwarded worker output goes to `handler` (a batch of lines each call) instead of Ray's printer."""
+    _dispatcher().remove_handler(RAY_PRINTER)
+    _dispatcher().remove_handler(name)
+    _dispatcher().add_handler(name, handler)
+
+
+def remove_output_handler(name: str, restore_ray_printer: bool) -> None:
+    _dispatcher().remove_handler(name)
+    if restore_ray_printer:
+        _dispatcher().add_handler(RAY_PRINTER, lambda data: ray._private.worker.print_to_stdstream(
+            data, ignore_prefix=False))
+
+
+@contextlib.contextmanager
+def raylet_notices_to(route):
+    """The raylet's notices (printed by the driver's own printer, not forwarded) go to `route`."""
+    original = ray._private.worker.print_to_stdstream
+    ray._private.worker.print_to_stdstream = lambda data, ignore_prefix: route(data)
+    try:
+        yield
+    finally:
+        ray._private.worker.print_to_stdstream = original
+
+
+def data_stats_actor():
+    """Ray Data's actor of progress records (what its progress bars show)."""
+    from ray.data._internal.stats import STATS_ACTOR_NAME, STATS_ACTOR_NAMESPACE
+
+    return ray.get_actor(STATS_ACTOR_NAME, namespace=STATS_ACTOR_NAMESPACE)

@@ -1,0 +1,33 @@
+"""The typed arguments the driver hands every worker (Ray pickles them into `train_loop_config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mdc.config import RunConfig
+from pipelines.ingest import IngestResources
+from pipelines.worker.callbacks import Fault
+
+
+@dataclass(frozen=True)
+class IngestActors:
+    """The run's two ingest actors, which only the data cursor talks to."""
+
+    bad_records: Any  # ingest.SkipCounter: bad-record counts per shard
+    passed_over: Any  # ingest.ShardSkips: the shards the read tasks pass over
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    cfg: RunConfig
+    run_dir: str  # where checkpoints go: a local folder or s3://bucket/prefix
+    mlflow_uri: str
+    mlflow_run_id: str
+    progress: Any  # progress.ProgressChannel, or anything with .push.remote(event)
+    ingest: IngestResources  # what a data stall report says ingest was given
+    shard_list_id: str  # position.fingerprint of the sorted shard list
+    num_shards: int
+    actors: IngestActors | None  # None: no ingest actors (a run outside Ray Data, e.g. a test)
+    fault: Fault | None = None  # tests: stop a worker once
+    trained_rows_dir: str | None = None  # tests: where each rank writes the rows it trained on

@@ -1,0 +1,97 @@
+"""The checkpointer: when to save, the save itself (local staging, the copy into the run's storage,
+in the background with train.async_checkpoint, the completion marker, pruning) and the restore."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import torch.distributed as dist
+
+from mdc.config import RunConfig, dump_config
+from mdc.train import checkpoint as ckpt
+from pipelines.worker.callbacks import Callback
+
+
+class Checkpointer:
+    """Saves and restores the training state of `model`, `optimizer`, `scheduler` and `ema` in DCP
+    checkpoints under `run_dir`. Checkpoints are not handed to Ray Train, which records one only
+    once every rank has reported it, so a group that died in between would lose a checkpoint that
+    is already written: the completion marker in storage is the one record of what can be resumed."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str, rank: int, model, optimizer, scheduler, ema,
+                 callbacks: list[Callback] = ()):
+        self.cfg, self.run_dir, self.rank, self.endpoint = cfg, run_dir, rank, cfg.data.endpoint_url
+        self.parts = (model, optimizer, scheduler, ema)
+        self.callbacks = list(callbacks)
+        self.background = ckpt.Background() if cfg.train.async_checkpoint else None  # collective
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.steps
+
+    def restore(self) -> tuple[str | None, dict | None, dict]:
+        """Collective. (uri, trainer state, this rank's extra state) of the newest complete
+        checkpoint in the run's storage, loaded into the parts; (None, None, {}) when there is none."""
+        uri = self._choose()
+        if uri is None:
+            return None, None, {}
+        with ckpt.local_copy(uri, self.endpoint) as directory:
+            state, extra_state = ckpt.load_training_state(directory, *self.parts, self.rank)
+        return uri, state, extra_state
+
+    def _choose(self) -> str | None:
+        """Rank 0 picks the newest complete checkpoint, says which and why, and tells the others."""
+        choice = [None]
+        if self.rank == 0:
+            choice[0], passed = ckpt.newest_complete(self.run_dir, self.endpoint)
+            for line in passed:
+                print(f"[mdc] {line}", flush=True)
+            if choice[0] is not None:
+                print(f"[mdc] resuming from {choice[0]}: the newest complete checkpoint in the run's storage",
+                      flush=True)
+            elif passed:
+                print(f"[mdc] no complete checkpoint in {self.run_dir}: starting from step 0", flush=True)
+        dist.broadcast_object_list(choice, src=0)
+        return choice[0]
+
+    def save(self, trainer_state: dict, extra_state: dict) -> None:
+        """Collective. Each rank stages its DCP shard locally and copies it into the run's storage;
+        then rank 0 marks the checkpoint complete and deletes the ones no longer kept. In the
+        background, training resumes once the shards are staged, and the copy and commit finish in
+        a thread. The last checkpoint, finished before returning, also carries the exported full
+        weights for evaluation."""
+        step = trainer_state["step"]
+        uri, final = ckpt.checkpoint_dir(self.run_dir, step), step == self.cfg.train.steps
+        model, _, _, ema = self.parts
+        if self.background is not None:
+            self.background.wait()  # one checkpoint in flight at a time
+        weights = ckpt.full_weights(model, ema) if final else None  # collective: every rank calls
+        if self.rank == 0:
+            ckpt.remove(uri, self.endpoint)  # what an interrupted attempt at this step left
+        dist.barrier()
+        directory = tempfile.mkdtemp(prefix="mdc-checkpoint-")
+        ckpt.stage_training_state(directory, *self.parts, trainer_state, extra_state, self.rank)
+        if final and self.rank == 0:
+            ckpt.export_weights(directory, weights, dump_config(self.cfg))
+        if self.background is None:
+            self._finish(directory, uri, step)
+        else:
+            self.background.submit(lambda: self._finish(directory, uri, step))
+            if final:
+                self.background.wait()
+
+    def _finish(self, directory: str, uri: str, step: int) -> None:
+        try:
+            written = ckpt.upload_shard(directory, uri, self.endpoint)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        self._at(step, "shard_written")
+        ckpt.commit(uri, step, written, self.rank, self.endpoint,
+                    group=self.background.group if self.background else None)
+        if self.rank == 0:
+            ckpt.prune(self.run_dir, step, self.cfg.train.keep_checkpoints, self.endpoint)
+        self._at(step, "committed")
+
+    def _at(self, step: int, point: str) -> None:
+        for callback in self.callbacks:
+            callback.checkpoint(step, self.rank, point)

@@ -1,0 +1,35 @@
+"""What the trainer needs from Ray Train: its rank, world and device, its dataset shards, and the
+report. A test hands the trainer an object of the same shape instead (tests/test_host_syncs.py)."""
+
+from __future__ import annotations
+
+import ray.train
+import ray.train.torch
+
+from mdc.config import RunConfig
+
+
+class RaySession:
+    def __init__(self, cfg: RunConfig):
+        ctx = ray.train.get_context()
+        self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = ray.train.torch.get_device()
+        self.cfg = cfg
+        self.train = ray.train.get_dataset_shard("train")
+
+    def train_batches(self, epoch: int):
+        """One optimiser step's micro-batches at a time, on the host, pinned for a GPU: the trainer
+        moves the model's inputs without waiting (non_blocking) and tallies the tags where they are."""
+        tc = self.cfg.train
+        return self.train.iter_torch_batches(
+            batch_size=tc.batch_size * tc.accumulation_steps, drop_last=True, device="cpu", pin_memory=tc.use_gpu,
+            local_shuffle_buffer_size=self.cfg.data.shuffle_buffer or None, local_shuffle_seed=tc.seed + epoch)
+
+    def val_batches(self) -> list[dict]:
+        if not self.cfg.data.val_uri:
+            return []
+        return list(ray.train.get_dataset_shard("val").iter_torch_batches(
+            batch_size=self.cfg.train.batch_size, drop_last=False, device="cpu"))
+
+    def report(self, metrics: dict) -> None:
+        ray.train.report(metrics)

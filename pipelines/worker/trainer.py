@@ -1,0 +1,121 @@
+"""The worker's `Trainer`: a step loop of calls to components that own their state (pipelines/worker)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from mdc.data.augment import augment
+from mdc.data.images import normalize
+from mdc.data.tokenizer import CaptionTokenizer
+from mdc.registry import build_model
+from mdc.train.fsdp import prepare_model
+from mdc.train.step import EMA, build_optimizer, build_scheduler, device_step
+from pipelines.ingest import BatchFeed, describe_stall
+from pipelines.worker.args import WorkerArgs
+from pipelines.worker.callbacks import RowRecorder
+from pipelines.worker.checkpointer import Checkpointer
+from pipelines.worker.cursor import DataCursor
+from pipelines.worker.metrics import MetricsLogger, rank0_sinks
+from pipelines.worker.seeds import augment_seed, step_generator
+from pipelines.worker.session import RaySession
+from pipelines.worker.validator import Validator
+
+
+def param_norm(model) -> float:
+    """L2 norm of all parameters, summed over the FSDP shards (collective)."""
+    local = sum(p.to_local().float().pow(2).sum() if hasattr(p, "to_local") else p.float().pow(2).sum()
+                for p in model.parameters())
+    dist.all_reduce(local)
+    return float(local.sqrt())
+
+
+class Trainer:
+    """Builds and shards the model and its components; `restore` resumes from the newest complete
+    checkpoint, if any, and `train` runs the steps. `session` is Ray Train's (session.RaySession)."""
+
+    def __init__(self, args: WorkerArgs, session):
+        cfg, tc = args.cfg, args.cfg.train
+        self.cfg, self.session, self.rank, self.device = cfg, session, session.rank, session.device
+        torch.manual_seed(tc.seed)  # identical initial weights on every rank before sharding
+        self.model = build_model(cfg, CaptionTokenizer).to(self.device)
+        prepare_model(self.model, self.device, bf16=tc.use_gpu, activation_checkpointing=tc.activation_checkpointing,
+                      compile=tc.compile)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim.warmup_steps, tc.steps)
+        self.ema = EMA(self.model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
+        self.callbacks = [c for c in (args.fault, args.trained_rows_dir and RowRecorder(args.trained_rows_dir)) if c]
+        self.checkpointer = Checkpointer(cfg, args.run_dir, self.rank, self.model, self.optimizer, self.scheduler,
+                                         self.ema, self.callbacks)
+        stall = partial(describe_stall, cfg.data.train_uri, cfg.data.stall_timeout_s, self.rank, args.ingest,
+                        tc.num_workers * tc.cpus_per_worker)
+        self.cursor = DataCursor(session.train_batches, BatchFeed(cfg.data.stall_timeout_s, stall), args.actors,
+                                 args.shard_list_id, args.num_shards, tc.seed, self.rank,
+                                 f"batch of {tc.batch_size * tc.accumulation_steps} in {cfg.data.train_uri}")
+        sinks = rank0_sinks(args.mlflow_uri, args.mlflow_run_id, args.progress, cfg.name, tc.steps) \
+            if self.rank == 0 else None
+        self.metrics = MetricsLogger(tc.log_every, tc.steps, session.world_size, sinks)
+        self.validator = Validator(session.val_batches(), cfg.objective, tc.val_every, tc.steps, tc.seed, self.device)
+        self.step, self.val_loss = 0, None
+
+    def restore(self) -> None:
+        """Collective: the checkpoint's weights, step and data position, or a start from scratch."""
+        uri, state, extra_state = self.checkpointer.restore()
+        self.cursor.start(state, extra_state)
+        if uri is not None:
+            self.step = state["step"]
+            self.metrics.resumed(self.step, uri, param_norm(self.model))
+
+    def train(self) -> None:
+        while self.step < self.cfg.train.steps:
+            for batch in self.cursor.batches():
+                self.train_step(batch)
+                if self.step >= self.cfg.train.steps:
+                    break
+
+    def train_step(self, batch: dict) -> None:
+        """One optimiser step; reads nothing back to the host unless it logs or saves."""
+        step = self.step = self.step + 1
+        for callback in self.callbacks:
+            callback.step_start(step, self.rank)
+        images, tokens = self._inputs(batch, step)
+        noise = step_generator(self.cfg.train.seed, self.rank, step, self.device)
+        metrics = device_step(self.model, self.optimizer, self.scheduler, images, tokens, self.cfg.objective,
+                              self.cfg.optim.grad_clip, noise, self.ema,
+                              micro_batches=self.cfg.train.accumulation_steps)
+        for callback in self.callbacks:
+            callback.trained(step, self.cursor.epoch, self.rank, batch)
+        self.metrics.record(step, metrics, tokens, epoch=self.cursor.epoch)
+        if self.validator.due(step):
+            self.val_loss = self.validator.loss(self.model)
+            self.metrics.note_host(step, val_loss=self.val_loss)
+            self.metrics.note(f"validation at step {step}: val_loss {self.val_loss:.4f}")
+        if self.metrics.due(step) or self.checkpointer.due(step):
+            self._log_and_save(step)
+
+    def _inputs(self, batch: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pixels = batch["image"].to(self.device, non_blocking=True)
+        pixels = augment(pixels, self.cfg.data.augment, augment_seed(self.cfg.train.seed, self.rank, step))
+        return normalize(pixels), batch["tokens"].to(self.device, non_blocking=True)
+
+    def _log_and_save(self, step: int) -> None:
+        logged = {**self.metrics.log(step, self.cursor.wait_s), "step": step}
+        if self.val_loss is not None:  # every report carries the latest, for early stopping
+            logged["val_loss"] = self.val_loss
+        saving = self.checkpointer.due(step)
+        if saving:
+            self.checkpointer.save({"step": step, "epoch": self.cursor.epoch, "metrics": logged},
+                                   self.cursor.state(self.device))
+        self.session.report(logged)
+        if saving:
+            self.metrics.note(f"checkpoint at step {step}")
+
+
+def train_loop(config: dict) -> None:
+    """Ray Train's training function: `config["args"]` is the driver's WorkerArgs."""
+    args: WorkerArgs = config["args"]
+    trainer = Trainer(args, RaySession(args.cfg))
+    trainer.restore()
+    trainer.train()

@@ -1,0 +1,117 @@
+"""The worker's step loop reads nothing back from the device and runs no collective of its own on
+the steps it does not log (docs/design.md §11): a short run of the real `Trainer` in one process,
+on a one-process gloo group, counting every host read made by the project's code and every
+collective outside FSDP's gradient reduction, step by step."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from mlflow.tracking import MlflowClient
+
+from mdc.config import load_config
+from mdc.data.tokenizer import CaptionTokenizer
+from pipelines import tracking
+from pipelines.ingest import IngestResources
+from pipelines.worker.args import WorkerArgs
+from pipelines.worker.trainer import Trainer
+
+pytestmark = pytest.mark.timeout(300)
+
+REPO = str(Path(__file__).resolve().parents[1])
+HOST_READS = ("item", "__float__", "tolist", "cpu", "numpy")
+COLLECTIVES = ("all_reduce", "broadcast", "broadcast_object_list", "barrier", "all_gather", "all_gather_object",
+               "reduce", "gather", "scatter")
+STEPS, LOG_EVERY, BATCH, SIZE = 7, 3, 4, 32
+
+
+class LocalSession:
+    """Ray Train's side of the trainer, in this process: one rank, CPU, a list of batches."""
+
+    rank, world_size, device = 0, 1, torch.device("cpu")
+
+    def __init__(self):
+        self.reports = []
+        tokens = torch.from_numpy(CaptionTokenizer(16).encode(["a red circle", "a small blue square"] * 2))
+        rng = np.random.default_rng(0)
+        self.batches = [{"image": torch.from_numpy(rng.integers(0, 255, (BATCH, 3, SIZE, SIZE), dtype=np.uint8)),
+                         "tokens": tokens, "shard": torch.full((BATCH,), i % 2), "row": torch.arange(BATCH),
+                         "shard_rows": torch.zeros(BATCH, dtype=torch.int64)} for i in range(STEPS)]
+
+    def train_batches(self, epoch):
+        return iter(self.batches)
+
+    def val_batches(self):
+        return []
+
+    def report(self, metrics):
+        self.reports.append(metrics)
+
+
+class Counter:
+    """Counts the calls of the patched functions while `on`, by step."""
+
+    def __init__(self):
+        self.on, self.step, self.calls = False, 0, {}
+
+    def wrap(self, name, original, only_repo: bool):
+        def counted(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if self.on and (not only_repo or (caller.startswith(REPO) and "/tests/" not in caller)):
+                self.calls.setdefault(self.step, []).append(f"{name} from {caller}:{sys._getframe(1).f_lineno}")
+            return original(*args, **kwargs)
+        return counted
+
+
+@pytest.fixture
+def trainer(gloo_process_group, tmp_path):
+    cfg = load_config(None, ["model.preset=tiny", f"model.image_size={SIZE}", "data.max_length=16",
+                             f"train.batch_size={BATCH}", "train.num_workers=1", f"train.steps={STEPS}",
+                             f"train.log_every={LOG_EVERY}", "train.checkpoint_every=100", "optim.warmup_steps=2",
+                             f"data.train_uri={tmp_path}", "data.val_uri=null", f"storage_uri={tmp_path / 'ckpt'}",
+                             f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+    run_id = tracking.get_or_create_run(cfg.mlflow_uri, cfg.experiment, cfg.name, {})
+    events = []
+    args = WorkerArgs(cfg, str(tmp_path / "ckpt" / cfg.name), cfg.mlflow_uri, run_id,
+                      SimpleNamespace(push=SimpleNamespace(remote=events.append)), IngestResources(1.0, 1.0, 1),
+                      "shards", 2, actors=None)
+    trainer = Trainer(args, LocalSession())
+    trainer.events = events
+    return trainer
+
+
+def test_no_host_sync_nor_collective_on_steps_that_do_not_log(trainer, monkeypatch):
+    counter = Counter()
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counter.wrap(name, getattr(torch.Tensor, name), only_repo=True))
+    for name in COLLECTIVES:
+        monkeypatch.setattr(dist, name, counter.wrap(name, getattr(dist, name), only_repo=False))
+    step_once = trainer.train_step
+
+    def counted_step(batch):
+        counter.step, counter.on = trainer.step + 1, True
+        try:
+            step_once(batch)
+        finally:
+            counter.on = False
+
+    monkeypatch.setattr(trainer, "train_step", counted_step)
+    trainer.restore()
+    trainer.train()
+
+    logged = [s for s in range(1, STEPS + 1) if s % LOG_EVERY == 0 or s == STEPS]
+    quiet = {s: counter.calls.get(s, []) for s in range(1, STEPS + 1) if s not in logged}
+    assert quiet == {s: [] for s in quiet}
+    # a log step that saves nothing reads back once: every buffered step's metrics in one tensor
+    assert [c for c in counter.calls[LOG_EVERY] if c.split()[0] in HOST_READS] == \
+        [next(c for c in counter.calls[LOG_EVERY] if c.startswith("tolist"))]
+    assert [r["step"] for r in trainer.session.reports] == logged
+    history = MlflowClient(trainer.cfg.mlflow_uri).get_metric_history(trainer.metrics.mlflow.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))  # every step's loss, written at log steps
+    assert [e["step"] for e in trainer.events if e["kind"] == "step"] == logged
