@@ -25,8 +25,9 @@ from pipelines.worker.checkpointer import Checkpointer
 
 
 def step_times(cfg, run_dir: str, steps: int, every: int) -> list[float]:
-    model, optimizer, scheduler, (images, tokens) = training_setup(cfg.model.preset, 16, "cpu", False, True,
-                                                                   False, False)
+    model, optimizer, scheduler, (images, tokens) = training_setup(
+        cfg.model.preset, 16, "cpu", False, True, False, False
+    )
     checkpointer = Checkpointer(cfg, run_dir, 0, model, optimizer, scheduler, None)
     times = []
     for step in range(1, steps + 1):
@@ -46,8 +47,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=4)
     args = parser.parse_args()
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         os.environ.setdefault(name, value)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -58,9 +62,18 @@ def main() -> None:
     results = {}
     try:
         for mode in ("sync", "async"):
-            cfg = load_config(None, [f"model.preset={args.preset}", "train.steps=100000", "train.batch_size=32",
-                                     "data.max_length=32", f"train.async_checkpoint={mode == 'async'}",
-                                     f"data.endpoint_url={endpoint}", "data.val_uri=null"])
+            cfg = load_config(
+                None,
+                [
+                    f"model.preset={args.preset}",
+                    "train.steps=100000",
+                    "train.batch_size=32",
+                    "data.max_length=32",
+                    f"train.async_checkpoint={mode == 'async'}",
+                    f"data.endpoint_url={endpoint}",
+                    "data.val_uri=null",
+                ],
+            )
             times = step_times(cfg, f"s3://stall/{mode}", args.steps, args.every)
             results[mode] = {"longest_step_s": max(times), "median_step_s": statistics.median(times)}
     finally:

@@ -38,16 +38,28 @@ def main() -> None:
     for preset, batch in zip(args.presets.split(","), args.batch.split(",")):
         for ac in (False, True):
             torch.cuda.empty_cache()
-            r = measure(preset, int(batch), args.steps, "cuda", bf16=True, fsdp=True, activation_checkpointing=ac,
-                        compile=not args.no_compile, peak=peak)
+            r = measure(
+                preset,
+                int(batch),
+                args.steps,
+                "cuda",
+                bf16=True,
+                fsdp=True,
+                activation_checkpointing=ac,
+                compile=not args.no_compile,
+                peak=peak,
+            )
             results.append(r)
             if torch.distributed.get_rank() == 0:
-                print(f"{preset:8s} batch {batch:>4s} act-ckpt {'on ' if ac else 'off'}  "
-                      f"{r['images_per_s']:8.1f} img/s  MFU {r['mfu']:.3f} "
-                      f"(peak bf16 matmul {r['peak_matmul_tflops']:.0f} TFLOP/s), "
-                      f"MFU vs spec {'n/a' if r['mfu_spec'] is None else format(r['mfu_spec'], '.3f')}  "
-                      f"compiled {r['compile']}{'' if r['compile_fallback'] is None else ' (' + r['compile_fallback'] + ')'}  "
-                      f"peak memory {r['peak_memory_gib']:.1f} GiB", flush=True)
+                print(
+                    f"{preset:8s} batch {batch:>4s} act-ckpt {'on ' if ac else 'off'}  "
+                    f"{r['images_per_s']:8.1f} img/s  MFU {r['mfu']:.3f} "
+                    f"(peak bf16 matmul {r['peak_matmul_tflops']:.0f} TFLOP/s), "
+                    f"MFU vs spec {'n/a' if r['mfu_spec'] is None else format(r['mfu_spec'], '.3f')}  "
+                    f"compiled {r['compile']}{'' if r['compile_fallback'] is None else ' (' + r['compile_fallback'] + ')'}  "
+                    f"peak memory {r['peak_memory_gib']:.1f} GiB",
+                    flush=True,
+                )
     if args.out and torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

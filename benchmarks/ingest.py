@@ -37,8 +37,9 @@ IMAGE_SIZE, SOURCE_SIZE, MAX_LENGTH, BATCH = 224, 256, 32, 64
 
 def write_folder(root: str, num: int, num_shards: int) -> str:
     out = os.path.join(root, f"{num_shards}-shards")
-    write_img2dataset_folder(generated_rows(num, SOURCE_SIZE, failed_every=0), out, "webdataset",
-                             samples_per_shard=-(-num // num_shards))
+    write_img2dataset_folder(
+        generated_rows(num, SOURCE_SIZE, failed_every=0), out, "webdataset", samples_per_shard=-(-num // num_shards)
+    )
     return out
 
 
@@ -129,9 +130,16 @@ def speed(args) -> dict:
         ray.shutdown()
     assert n_plain == n_ray, (n_plain, n_ray)
     ratio = (n_ray / t_ray) / (n_plain / t_plain)
-    return {"images": n_plain, "source_px": SOURCE_SIZE, "image_size": IMAGE_SIZE, "ray_cpus": cpus,
-            "plain_images_per_s": n_plain / t_plain, "ray_images_per_s": n_ray / t_ray,
-            "ratio_ray_over_plain": ratio, "ray_per_cpu_over_plain": ratio / cpus}
+    return {
+        "images": n_plain,
+        "source_px": SOURCE_SIZE,
+        "image_size": IMAGE_SIZE,
+        "ray_cpus": cpus,
+        "plain_images_per_s": n_plain / t_plain,
+        "ray_images_per_s": n_ray / t_ray,
+        "ratio_ray_over_plain": ratio,
+        "ray_per_cpu_over_plain": ratio / cpus,
+    }
 
 
 def memory(args) -> dict:
@@ -156,8 +164,9 @@ def memory(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num", type=int, default=2000, help="samples")
-    parser.add_argument("--shards", default=None, help="shard count (speed, default 4) or counts to "
-                        "compare (--memory, default 8,2)")
+    parser.add_argument(
+        "--shards", default=None, help="shard count (speed, default 4) or counts to compare (--memory, default 8,2)"
+    )
     parser.add_argument("--memory", action="store_true", help="peak PSS by shard size instead of speed")
     args = parser.parse_args()
     args.shards = args.shards or ("8,2" if args.memory else "4")

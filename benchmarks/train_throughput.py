@@ -30,7 +30,6 @@ from mdc.registry import compute_loss
 from mdc.train.fsdp import compile_available, prepare_model
 from mdc.train.step import build_optimizer, build_scheduler, train_step
 
-
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, TFLOP/s, by a substring of
 # torch.cuda.get_device_name(); first match wins, so the PCIe H100 comes before the SXM one.
 DENSE_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
@@ -66,7 +65,7 @@ def sync(device: str) -> None:
 def synthetic_batch(model: Captioner, batch: int, max_length: int, device: str):
     images = torch.randn(batch, 3, model.image_size, model.image_size, device=device)
     tokens = torch.randint(0, 49_000, (batch, max_length), device=device)
-    tokens[:, max_length * 3 // 4:] = CaptionTokenizer.pad_id  # captions fill 3/4 of the context
+    tokens[:, max_length * 3 // 4 :] = CaptionTokenizer.pad_id  # captions fill 3/4 of the context
     return images, tokens
 
 
@@ -81,23 +80,42 @@ def step_flops(preset: str, batch: int, max_length: int, device: str) -> float:
     return counter.get_total_flops()
 
 
-def training_setup(preset: str, batch: int, device: str, bf16: bool, fsdp: bool, activation_checkpointing: bool,
-                   compile: bool, max_length: int = 32):
+def training_setup(
+    preset: str,
+    batch: int,
+    device: str,
+    bf16: bool,
+    fsdp: bool,
+    activation_checkpointing: bool,
+    compile: bool,
+    max_length: int = 32,
+):
     torch.manual_seed(0)
     model = Captioner(preset, max_length=max_length).to(device)
-    prepare_model(model, device, bf16=bf16, activation_checkpointing=activation_checkpointing, compile=compile,
-                  shard=fsdp)
+    prepare_model(
+        model, device, bf16=bf16, activation_checkpointing=activation_checkpointing, compile=compile, shard=fsdp
+    )
     optimizer = build_optimizer(model, OptimConfig())
     scheduler = build_scheduler(optimizer, 10, 10_000)
     return model, optimizer, scheduler, synthetic_batch(model, batch, max_length, device)
 
 
-def measure(preset: str, batch: int, steps: int, device: str, bf16: bool, fsdp: bool,
-            activation_checkpointing: bool = False, compile: bool = False, max_length: int = 32,
-            peak: float | None = None) -> dict:
+def measure(
+    preset: str,
+    batch: int,
+    steps: int,
+    device: str,
+    bf16: bool,
+    fsdp: bool,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    max_length: int = 32,
+    peak: float | None = None,
+) -> dict:
     flops_per_step = step_flops(preset, batch, max_length, device)
     model, optimizer, scheduler, (images, tokens) = training_setup(
-        preset, batch, device, bf16, fsdp, activation_checkpointing, compile, max_length)
+        preset, batch, device, bf16, fsdp, activation_checkpointing, compile, max_length
+    )
     fallback = compile_available(device) if compile else None  # prepare_model's test: eager when it fails
     objective = ObjectiveConfig()
     # FSDP2's MixedPrecisionPolicy casts sharded models; a plain model computes under autocast
@@ -117,14 +135,26 @@ def measure(preset: str, batch: int, steps: int, device: str, bf16: bool, fsdp: 
     peak = peak or peak_matmul_flops(device, torch.bfloat16 if bf16 else torch.float32)
     achieved = flops_per_step * steps / elapsed
     spec = spec_peak_tflops(device) if bf16 else None
-    out = {"preset": preset, "device": device, "bf16": bf16, "fsdp": fsdp,
-           "compile": compile and fallback is None, "compile_fallback": fallback,
-           "activation_checkpointing": activation_checkpointing, "batch": batch, "steps": steps,
-           "images_per_s": batch * steps / elapsed, "step_s": elapsed / steps,
-           "gflop_per_step": flops_per_step / 1e9, "achieved_tflops": achieved / 1e12,
-           "peak_matmul_tflops": peak / 1e12, "mfu": achieved / peak,
-           "spec_peak_tflops": spec, "mfu_spec": None if spec is None else achieved / (spec * 1e12),
-           "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    out = {
+        "preset": preset,
+        "device": device,
+        "bf16": bf16,
+        "fsdp": fsdp,
+        "compile": compile and fallback is None,
+        "compile_fallback": fallback,
+        "activation_checkpointing": activation_checkpointing,
+        "batch": batch,
+        "steps": steps,
+        "images_per_s": batch * steps / elapsed,
+        "step_s": elapsed / steps,
+        "gflop_per_step": flops_per_step / 1e9,
+        "achieved_tflops": achieved / 1e12,
+        "peak_matmul_tflops": peak / 1e12,
+        "mfu": achieved / peak,
+        "spec_peak_tflops": spec,
+        "mfu_spec": None if spec is None else achieved / (spec * 1e12),
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+    }
     if device.startswith("cuda"):
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
@@ -150,7 +180,8 @@ def _ray_worker_loop(config: dict) -> None:
     import ray.train
 
     model, optimizer, scheduler, (images, tokens) = training_setup(
-        config["preset"], config["batch"], "cpu", False, True, False, False)
+        config["preset"], config["batch"], "cpu", False, True, False, False
+    )
     for _ in range(config["warmup"]):
         train_step(model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0)
     torch.distributed.barrier()
@@ -172,8 +203,9 @@ def ray_vs_plain(preset: str, global_batch: int, steps: int, workers: int = 2, w
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    model, optimizer, scheduler, (images, tokens) = training_setup(preset, global_batch, "cpu", False, False,
-                                                                   False, False)
+    model, optimizer, scheduler, (images, tokens) = training_setup(
+        preset, global_batch, "cpu", False, False, False, False
+    )
     for _ in range(warmup):
         train_step(model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0)
     start = time.perf_counter()
@@ -188,8 +220,13 @@ def ray_vs_plain(preset: str, global_batch: int, steps: int, workers: int = 2, w
             out = os.path.join(storage, "seconds.json")
             TorchTrainer(
                 _ray_worker_loop,
-                train_loop_config={"preset": preset, "batch": global_batch // workers, "steps": steps,
-                                   "warmup": warmup, "out": out},
+                train_loop_config={
+                    "preset": preset,
+                    "batch": global_batch // workers,
+                    "steps": steps,
+                    "warmup": warmup,
+                    "out": out,
+                },
                 scaling_config=ray.train.ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
                 run_config=ray.train.RunConfig(storage_path=storage, name="bench"),
                 torch_config=TorchConfig(backend="gloo"),
@@ -199,8 +236,15 @@ def ray_vs_plain(preset: str, global_batch: int, steps: int, workers: int = 2, w
     finally:
         ray.shutdown()
     distributed = global_batch * steps / seconds
-    return {"preset": preset, "global_batch": global_batch, "workers": workers, "steps": steps,
-            "plain_images_per_s": plain, "ray_images_per_s": distributed, "ray_over_plain": distributed / plain}
+    return {
+        "preset": preset,
+        "global_batch": global_batch,
+        "workers": workers,
+        "steps": steps,
+        "plain_images_per_s": plain,
+        "ray_images_per_s": distributed,
+        "ray_over_plain": distributed / plain,
+    }
 
 
 def main() -> None:
@@ -226,8 +270,10 @@ def main() -> None:
         results = [ray_vs_plain(presets[0], args.global_batch, int(steps[0]))]
     else:
         init_single_process_group(args.fsdp, args.device)
-        results = [measure(p, int(b), int(s), args.device, args.bf16, args.fsdp, args.ac, args.compile)
-                   for p, b, s in zip(presets, batches, steps)]
+        results = [
+            measure(p, int(b), int(s), args.device, args.bf16, args.fsdp, args.ac, args.compile)
+            for p, b, s in zip(presets, batches, steps)
+        ]
     for r in results:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}))
     if args.out:

@@ -32,7 +32,8 @@ class ModelConfig(_Section):
     image_size: int | None = Field(None, ge=8, description="defaults to the preset's")
     decoder_layers: int | None = Field(None, ge=1, description="defaults to the preset's")
     encoder_pos_embed: Literal["sincos2d", "learned"] = Field(
-        "sincos2d", description="ViT positions: fixed 2D sin-cos (Big Vision, MAE) or timm's learned table")
+        "sincos2d", description="ViT positions: fixed 2D sin-cos (Big Vision, MAE) or timm's learned table"
+    )
     time_conditioning: bool = False
     concentrated_attention: bool = False
     predict_length: bool = Field(False, description="DDCap: caption-length head; masked objectives only")
@@ -45,8 +46,12 @@ class ObjectiveConfig(_Section):
     antithetic: bool = True
     mask_ratio: float = Field(0.15, gt=0.0, le=1.0, description="bert only")
     parallel_prob: float = Field(0.75, ge=0.0, le=1.0, description="cappa only")
-    image_free_prob: float = Field(0.0, ge=0.0, lt=1.0, description="DDCap: share of captions trained "
-                                   "with the learned null image instead of V; masked objectives only")
+    image_free_prob: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="DDCap: share of captions trained with the learned null image instead of V; masked objectives only",
+    )
 
     @model_validator(mode="after")
     def _schedule(self) -> ObjectiveConfig:
@@ -64,16 +69,23 @@ class DataConfig(_Section):
     max_length: int = Field(16, ge=2, le=512)
     shuffle_buffer: int = Field(256, ge=0)
     format: Literal["auto", "webdataset", "parquet"] = Field(
-        "auto", description="auto: the tars and every Parquet file that is not a tar's side file")
-    ingest_cpus: float | None = Field(None, gt=0.0, description="logical CPUs for reading and decoding; "
-                                      "default: the cluster's CPUs minus the training workers'")
+        "auto", description="auto: the tars and every Parquet file that is not a tar's side file"
+    )
+    ingest_cpus: float | None = Field(
+        None,
+        gt=0.0,
+        description="logical CPUs for reading and decoding; default: the cluster's CPUs minus the training workers'",
+    )
     stall_timeout_s: float = Field(300.0, gt=0.0, description="fail when no batch reaches a worker this long")
-    subset_fraction: float | None = Field(None, gt=0.0, le=1.0,
-                                          description="keep keys whose hash is below this: nested subsets")
+    subset_fraction: float | None = Field(
+        None, gt=0.0, le=1.0, description="keep keys whose hash is below this: nested subsets"
+    )
     subset_salt: str = "subset"
     augment: Literal["none", "crop", "crop_flip"] = Field(
-        "none", description="training images: random resized crop (area 0.5-1), crop_flip also mirrors "
-        "half of them (wrong for captions that say left/right, as the shapes data's do)")
+        "none",
+        description="training images: random resized crop (area 0.5-1), crop_flip also mirrors "
+        "half of them (wrong for captions that say left/right, as the shapes data's do)",
+    )
 
 
 class OptimConfig(_Section):
@@ -89,15 +101,20 @@ class OptimConfig(_Section):
 class TrainConfig(_Section):
     steps: int = Field(600, ge=1)
     batch_size: int = Field(16, ge=1, description="per worker and micro-batch")
-    global_batch_size: int | None = Field(None, ge=1, description="the optimiser's batch; a multiple of "
-                                          "batch_size × num_workers (gradient accumulation); default their product")
+    global_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="the optimiser's batch; a multiple of "
+        "batch_size × num_workers (gradient accumulation); default their product",
+    )
     activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward")
     compile: bool = Field(False, description="torch.compile each transformer block")
     seed: int = 0
     checkpoint_every: int = Field(200, ge=1)
     keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept in storage, newest first")
-    async_checkpoint: bool = Field(False, description="copy checkpoints to storage and commit them in a "
-                                   "background thread while training goes on")
+    async_checkpoint: bool = Field(
+        False, description="copy checkpoints to storage and commit them in a background thread while training goes on"
+    )
     log_every: int = Field(20, ge=1)
     val_every: int = Field(200, ge=1)
     val_batches: int = Field(4, ge=1)
@@ -110,8 +127,10 @@ class TrainConfig(_Section):
     def _global_batch(self) -> TrainConfig:
         per_step = self.batch_size * self.num_workers
         if self.global_batch_size is not None and self.global_batch_size % per_step:
-            raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of batch_size × "
-                             f"num_workers = {self.batch_size} × {self.num_workers} = {per_step}")
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of batch_size × "
+                f"num_workers = {self.batch_size} × {self.num_workers} = {per_step}"
+            )
         return self
 
     @property
@@ -156,8 +175,10 @@ class RunConfig(_Section):
         if self.model.predict_length and self.objective.name not in MASKED_OBJECTIVES:
             raise ValueError(f"model.predict_length applies to {MASKED_OBJECTIVES}, not {self.objective.name!r}")
         if self.model.time_conditioning and OBJECTIVES[self.objective.name].time == "never":
-            raise ValueError(f"model.time_conditioning=true needs a noise level t, which {self.objective.name!r} "
-                             "has not; set it false for autoregressive objectives")
+            raise ValueError(
+                f"model.time_conditioning=true needs a noise level t, which {self.objective.name!r} "
+                "has not; set it false for autoregressive objectives"
+            )
         return self
 
 

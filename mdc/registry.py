@@ -9,8 +9,9 @@ The traits the config validates with (`masked`, `time`) live here too, so that
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -35,20 +36,38 @@ MASKED_ELBO = {"name": "mdc", "omega_l": T_MIN, "omega_u": 1.0, "antithetic": Tr
 def _captioner(cls: type[Captioner]) -> Callable[..., nn.Module]:
     def build(cfg, tokenizer) -> nn.Module:
         m = cfg.model
-        return cls(preset=m.preset, vocab_size=tokenizer.vocab_size, mask_id=tokenizer.mask_id,
-                   pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                   max_length=cfg.data.max_length, image_size=m.image_size, decoder_layers=m.decoder_layers,
-                   time_conditioning=m.time_conditioning, concentrated_attention=m.concentrated_attention,
-                   predict_length=m.predict_length, null_image=cfg.objective.image_free_prob > 0,
-                   encoder_pos_embed=m.encoder_pos_embed)
+        return cls(
+            preset=m.preset,
+            vocab_size=tokenizer.vocab_size,
+            mask_id=tokenizer.mask_id,
+            pad_id=tokenizer.pad_id,
+            bos_id=tokenizer.bos_id,
+            eos_id=tokenizer.eos_id,
+            max_length=cfg.data.max_length,
+            image_size=m.image_size,
+            decoder_layers=m.decoder_layers,
+            time_conditioning=m.time_conditioning,
+            concentrated_attention=m.concentrated_attention,
+            predict_length=m.predict_length,
+            null_image=cfg.objective.image_free_prob > 0,
+            encoder_pos_embed=m.encoder_pos_embed,
+        )
+
     return build
 
 
 def _clip(cfg, tokenizer) -> nn.Module:
     """A contrastive dual encoder around the same ViT, its text tower as deep as the decoder."""
-    return ClipModel(preset=cfg.model.preset, max_length=cfg.data.max_length, image_size=cfg.model.image_size,
-                     text_layers=cfg.model.decoder_layers, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                     pad_id=tokenizer.pad_id, encoder_pos_embed=cfg.model.encoder_pos_embed)
+    return ClipModel(
+        preset=cfg.model.preset,
+        max_length=cfg.data.max_length,
+        image_size=cfg.model.image_size,
+        text_layers=cfg.model.decoder_layers,
+        bos_id=tokenizer.bos_id,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        encoder_pos_embed=cfg.model.encoder_pos_embed,
+    )
 
 
 @dataclass(frozen=True)
@@ -67,15 +86,26 @@ class Objective:
 
 def _masked_loss(kind: str) -> LossFn:
     def loss(model, images, tokens, objective, generator=None):
-        return masked_diffusion_loss(model, images, tokens, kind, objective.omega_l, objective.omega_u,
-                                     objective.antithetic, objective.mask_ratio, generator,
-                                     objective.image_free_prob)
+        return masked_diffusion_loss(
+            model,
+            images,
+            tokens,
+            kind,
+            objective.omega_l,
+            objective.omega_u,
+            objective.antithetic,
+            objective.mask_ratio,
+            generator,
+            objective.image_free_prob,
+        )
+
     return loss
 
 
 def _autoregressive_loss(parallel: bool) -> LossFn:
     def loss(model, images, tokens, objective, generator=None):
         return autoregressive_loss(model, images, tokens, objective.parallel_prob if parallel else 0.0, generator)
+
     return loss
 
 
@@ -88,8 +118,9 @@ def _continuous_loss(model, images, tokens, objective, generator=None):
 
 
 def _write_masked(model, images, length, sampler="confidence", steps=None, guidance_scale=1.0):
-    return sampling.sample_masked(model, images, length=length, strategy=sampler, steps=steps,
-                                  guidance_scale=guidance_scale)
+    return sampling.sample_masked(
+        model, images, length=length, strategy=sampler, steps=steps, guidance_scale=guidance_scale
+    )
 
 
 def _write_autoregressive(model, images, length, sampler=None, steps=None, guidance_scale=1.0):
@@ -100,23 +131,53 @@ def _write_continuous(model, images, length, sampler=None, steps=None, guidance_
     return sampling.sample_continuous(model, images, length, steps=steps or 5)
 
 
-_MASKED = dict(build=_captioner(Captioner), validation=MASKED_ELBO, scorer="montecarlo", write=_write_masked, masked=True)
-_AUTOREGRESSIVE = dict(build=_captioner(Captioner), validation={"name": "ar"}, scorer="ar", write=_write_autoregressive,
-                       sampler="greedy-autoregressive", time="never")
+_MASKED = dict(
+    build=_captioner(Captioner), validation=MASKED_ELBO, scorer="montecarlo", write=_write_masked, masked=True
+)
+_AUTOREGRESSIVE = dict(
+    build=_captioner(Captioner),
+    validation={"name": "ar"},
+    scorer="ar",
+    write=_write_autoregressive,
+    sampler="greedy-autoregressive",
+    time="never",
+)
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
-    Objective("mdc", "masked diffusion captioning: the 1/t-weighted ELBO, t ~ U[ω_l, ω_u]",
-              loss=_masked_loss("mdc"), **_MASKED),
-    Objective("cmlm", "MDC's \"no t\" ablation: same t, the weight dropped", loss=_masked_loss("cmlm"), **_MASKED),
-    Objective("bert", "image-conditioned BERT: a fixed mask ratio", loss=_masked_loss("bert"), **_MASKED),
-    Objective("ar", "autoregressive captioning (Cap)", loss=_autoregressive_loss(False), **_AUTOREGRESSIVE),
-    Objective("cappa", "CapPa: Cap with parallel prediction", loss=_autoregressive_loss(True), **_AUTOREGRESSIVE),
-    Objective("clip", "CLIP: contrastive dual encoder", build=_clip, loss=_contrastive_loss, validation=None,
-              scorer="clip", write=None),
-    Objective("cdlm", "CLIP-Diffusion-LM: continuous diffusion over token embeddings", build=_captioner(DiffusionLMCaptioner),
-              loss=_continuous_loss, validation=None, scorer="cdlm", write=_write_continuous, sampler="continuous-denoising",
-              time="required"),
-)}
+OBJECTIVES: dict[str, Objective] = {
+    o.name: o
+    for o in (
+        Objective(
+            "mdc",
+            "masked diffusion captioning: the 1/t-weighted ELBO, t ~ U[ω_l, ω_u]",
+            loss=_masked_loss("mdc"),
+            **_MASKED,
+        ),
+        Objective("cmlm", 'MDC\'s "no t" ablation: same t, the weight dropped', loss=_masked_loss("cmlm"), **_MASKED),
+        Objective("bert", "image-conditioned BERT: a fixed mask ratio", loss=_masked_loss("bert"), **_MASKED),
+        Objective("ar", "autoregressive captioning (Cap)", loss=_autoregressive_loss(False), **_AUTOREGRESSIVE),
+        Objective("cappa", "CapPa: Cap with parallel prediction", loss=_autoregressive_loss(True), **_AUTOREGRESSIVE),
+        Objective(
+            "clip",
+            "CLIP: contrastive dual encoder",
+            build=_clip,
+            loss=_contrastive_loss,
+            validation=None,
+            scorer="clip",
+            write=None,
+        ),
+        Objective(
+            "cdlm",
+            "CLIP-Diffusion-LM: continuous diffusion over token embeddings",
+            build=_captioner(DiffusionLMCaptioner),
+            loss=_continuous_loss,
+            validation=None,
+            scorer="cdlm",
+            write=_write_continuous,
+            sampler="continuous-denoising",
+            time="required",
+        ),
+    )
+}
 MASKED_OBJECTIVES = tuple(name for name, o in OBJECTIVES.items() if o.masked)
 
 
@@ -136,8 +197,15 @@ def compute_loss(model, images, tokens, objective_cfg, generator=None):
 
 
 @torch.no_grad()
-def write_captions(model, images: torch.Tensor, objective_name: str, length: int, sampler: str = "confidence",
-                   steps: int | None = None, guidance_scale: float = 1.0) -> torch.Tensor:
+def write_captions(
+    model,
+    images: torch.Tensor,
+    objective_name: str,
+    length: int,
+    sampler: str = "confidence",
+    steps: int | None = None,
+    guidance_scale: float = 1.0,
+) -> torch.Tensor:
     """(B, length) caption tokens in the objective's own way: N' masked steps, greedy decoding, or
     `steps` (default 5) rounds of continuous denoising."""
     entry = objective(objective_name)

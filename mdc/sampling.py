@@ -35,10 +35,18 @@ def initial_tokens(model, batch_size: int, length: int, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_masked(model, images: torch.Tensor, length: int | None = None,
-                  tokens: torch.Tensor | None = None, strategy: str = "confidence",
-                  steps: int | None = None, tokens_per_step: int = 1, temperature: float = 0.0,
-                  generator: torch.Generator | None = None, guidance_scale: float = 1.0) -> torch.Tensor:
+def sample_masked(
+    model,
+    images: torch.Tensor,
+    length: int | None = None,
+    tokens: torch.Tensor | None = None,
+    strategy: str = "confidence",
+    steps: int | None = None,
+    tokens_per_step: int = 1,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    guidance_scale: float = 1.0,
+) -> torch.Tensor:
     """Denoise [MASK] positions of `tokens` (B, L) — or of N' = `length` fresh [MASK]s, or, for a
     model with a length head (DDCap) and no length given, of its predicted N' per image.
 
@@ -91,15 +99,15 @@ def sample_masked(model, images: torch.Tensor, length: int | None = None,
         tokens = torch.where(commit, proposal, tokens)
         masked = masked & ~commit
     if masked.any():  # fewer steps than needed: commit the rest at once
-        proposal, _ = _choose(logits_at(tokens, torch.zeros(len(tokens), device=tokens.device)),
-                              temperature, generator)
+        proposal, _ = _choose(logits_at(tokens, torch.zeros(len(tokens), device=tokens.device)), temperature, generator)
         tokens = torch.where(masked, proposal, tokens)
     return tokens
 
 
 @torch.no_grad()
-def generate_autoregressive(model, images: torch.Tensor, max_tokens: int | None = None,
-                            use_cache: bool = True) -> torch.Tensor:
+def generate_autoregressive(
+    model, images: torch.Tensor, max_tokens: int | None = None, use_cache: bool = True
+) -> torch.Tensor:
     """Greedy decoding. Returns (B, max_tokens) caption tokens, padded after EOS (EOS dropped)."""
     max_tokens = max_tokens or model.pos_embed.shape[1] - 1
     b, device = images.shape[0], images.device
@@ -130,8 +138,9 @@ def placeholder_tokens(batch_size: int, length: int, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_continuous(model, images: torch.Tensor, length: int, steps: int = 5,
-                      generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_continuous(
+    model, images: torch.Tensor, length: int, steps: int = 5, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """(B, length) caption tokens: from noise, `steps` rounds of predict x̂0 → re-noise to the next
     level of an even grid from t = 1 to 0, then argmax rounding of the last x̂0."""
     b, device = images.shape[0], images.device

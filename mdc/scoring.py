@@ -51,9 +51,16 @@ def pseudo_log_likelihood(model, images, tokens) -> torch.Tensor:
 
 
 @torch.no_grad()
-def monte_carlo_elbo(model, images, candidates: list[torch.Tensor], num_samples: int = 16,
-                     omega_l: float = 0.0, omega_u: float = 1.0, common_random_numbers: bool = True,
-                     generator: torch.Generator | None = None) -> list[torch.Tensor]:
+def monte_carlo_elbo(
+    model,
+    images,
+    candidates: list[torch.Tensor],
+    num_samples: int = 16,
+    omega_l: float = 0.0,
+    omega_u: float = 1.0,
+    common_random_numbers: bool = True,
+    generator: torch.Generator | None = None,
+) -> list[torch.Tensor]:
     """ELBO estimates (one (B,) tensor per candidate) from `num_samples` draws of (t, mask).
 
     t is stratified over the K draws (one per stratum of [max(ω_l, T_MIN), ω_u]); position i is
@@ -66,10 +73,14 @@ def monte_carlo_elbo(model, images, candidates: list[torch.Tensor], num_samples:
     totals = [torch.zeros(b, device=device) for _ in candidates]
 
     def draw():
-        strata = (torch.arange(num_samples, device=device)[:, None]
-                  + torch.rand(num_samples, b, generator=generator, device=device)) / num_samples
-        return (omega_l + (omega_u - omega_l) * strata,
-                torch.rand(num_samples, b, length, generator=generator, device=device))
+        strata = (
+            torch.arange(num_samples, device=device)[:, None]
+            + torch.rand(num_samples, b, generator=generator, device=device)
+        ) / num_samples
+        return (
+            omega_l + (omega_u - omega_l) * strata,
+            torch.rand(num_samples, b, length, generator=generator, device=device),
+        )
 
     shared = draw() if common_random_numbers else None
     for c, tokens in enumerate(candidates):
@@ -77,7 +88,7 @@ def monte_carlo_elbo(model, images, candidates: list[torch.Tensor], num_samples:
         real = tokens != model.pad_id
         for k in range(num_samples):
             t = t_all[k]
-            masked = (u_all[k, :, :tokens.shape[1]] < t[:, None]) & real
+            masked = (u_all[k, :, : tokens.shape[1]] < t[:, None]) & real
             noisy = torch.where(masked, model.mask_id, tokens)
             logp = torch.zeros(masked.shape, device=device)  # projected only where masked
             logp[masked] = _token_log_probs(model.decode(noisy, image_kv, t=t, where=masked), tokens[masked])
@@ -93,23 +104,30 @@ def cosine_scores(model, images: torch.Tensor, candidates: list[torch.Tensor]) -
 
 
 @torch.no_grad()
-def denoising_scores(model, images: torch.Tensor, candidates: list[torch.Tensor], num_samples: int = 16,
-                     generator: torch.Generator | None = None) -> list[torch.Tensor]:
+def denoising_scores(
+    model,
+    images: torch.Tensor,
+    candidates: list[torch.Tensor],
+    num_samples: int = 16,
+    generator: torch.Generator | None = None,
+) -> list[torch.Tensor]:
     """A likelihood proxy per candidate caption (B,): minus its denoising loss summed over its tokens,
     averaged over `num_samples` draws of (t, ε) shared by all candidates (common random numbers);
     t is stratified over the draws."""
     image_kv = model.image_keys_values(model.encode(images))
     b, length = candidates[0].shape[0], max(c.shape[1] for c in candidates)
     device = images.device
-    t_all = (torch.arange(num_samples, device=device)[:, None]
-             + torch.rand(num_samples, b, generator=generator, device=device)) / num_samples
+    t_all = (
+        torch.arange(num_samples, device=device)[:, None]
+        + torch.rand(num_samples, b, generator=generator, device=device)
+    ) / num_samples
     noise_all = torch.randn(num_samples, b, length, model.dim, generator=generator, device=device)
     scores = []
     for tokens in candidates:
         real, total = tokens != model.pad_id, torch.zeros(b, device=device)
         x0 = model.embed(tokens)
         for k in range(num_samples):
-            t, noise = t_all[k], noise_all[k, :, :tokens.shape[1]]
+            t, noise = t_all[k], noise_all[k, :, : tokens.shape[1]]
             x0_hat = model.predict_x0(tokens, image_kv, t, noised(x0, t, noise))
             mse = (x0_hat.float() - x0.float()).pow(2).mean(-1)  # float32 under bf16 compute too
             logp = model.project(x0_hat).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]

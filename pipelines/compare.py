@@ -17,9 +17,9 @@ every row's metrics and both files, with each objective's training run as its ch
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -38,12 +38,16 @@ from pipelines.train import run_training
 
 DEFAULT_OBJECTIVES = tuple(OBJECTIVES)
 COLUMNS = {  # field -> (column title, format)
-    "objective": ("objective", "{}"), "probe_accuracy": ("probe acc.", "{:.3f}"),
+    "objective": ("objective", "{}"),
+    "probe_accuracy": ("probe acc.", "{:.3f}"),
     "compositionality_accuracy": ("compositionality acc.", "{:.3f}"),
-    "compositionality_blind_accuracy": ("blind acc.", "{:.3f}"), "text_biased": ("text-biased subsets", "{}"),
+    "compositionality_blind_accuracy": ("blind acc.", "{:.3f}"),
+    "text_biased": ("text-biased subsets", "{}"),
     "bleu4": ("BLEU-4", "{:.4f}"),
-    "cider": ("CIDEr-D", "{:.4f}"), "captions_per_s": ("captions/s", "{:.1f}"),
-    "train_images_per_s": ("train images/s", "{:.1f}"), "final_loss": ("final loss", "{:.3f}"),
+    "cider": ("CIDEr-D", "{:.4f}"),
+    "captions_per_s": ("captions/s", "{:.1f}"),
+    "train_images_per_s": ("train images/s", "{:.1f}"),
+    "final_loss": ("final loss", "{:.3f}"),
 }
 
 
@@ -67,10 +71,18 @@ class Row:
         return ["n/a" if getattr(self, f) is None else fmt.format(getattr(self, f)) for f, (_, fmt) in COLUMNS.items()]
 
 
-def evaluate_checkpoint(checkpoint: str, data_uri: str, endpoint_url: str | None = None,
-                        caption_lengths: Sequence[int] = (10,), limit: int | None = 200, samples: int = 8,
-                        seed: int = 0, normalize: str = "none", probe: bool = True,
-                        compositionality: bool = True) -> dict:
+def evaluate_checkpoint(
+    checkpoint: str,
+    data_uri: str,
+    endpoint_url: str | None = None,
+    caption_lengths: Sequence[int] = (10,),
+    limit: int | None = 200,
+    samples: int = 8,
+    seed: int = 0,
+    normalize: str = "none",
+    probe: bool = True,
+    compositionality: bool = True,
+) -> dict:
     """Flat metrics of one exported checkpoint on a shapes-like dataset (labels, val/ captions,
     compositionality/ files): `probe_accuracy`; `compositionality_accuracy` and
     `compositionality_blind_accuracy` (macro), `text_biased`, and per subset
@@ -82,11 +94,14 @@ def evaluate_checkpoint(checkpoint: str, data_uri: str, endpoint_url: str | None
     if probe:
         out["probe_accuracy"] = linear_probe.probe_shapes(model, data_uri, endpoint_url)["accuracy"]
     if compositionality:
-        result = comp.evaluate_shapes(model, objective, data_uri, endpoint_url, samples=samples, limit=limit,
-                                      normalize=normalize, seed=seed)
-        out.update(compositionality_accuracy=result["macro_accuracy"],
-                   compositionality_blind_accuracy=result["macro_blind_accuracy"],
-                   text_biased=", ".join(result["text_biased"]) or "none")
+        result = comp.evaluate_shapes(
+            model, objective, data_uri, endpoint_url, samples=samples, limit=limit, normalize=normalize, seed=seed
+        )
+        out.update(
+            compositionality_accuracy=result["macro_accuracy"],
+            compositionality_blind_accuracy=result["macro_blind_accuracy"],
+            text_biased=", ".join(result["text_biased"]) or "none",
+        )
         out.update({f"compositionality/{subset}": acc for subset, acc in result["accuracy"].items()})
         out.update({f"blind/{subset}": acc for subset, acc in result["blind_accuracy"].items()})
     if OBJECTIVES[objective].write and caption_lengths:
@@ -99,16 +114,24 @@ def evaluate_checkpoint(checkpoint: str, data_uri: str, endpoint_url: str | None
 def compare_config(base: RunConfig, objective: str, data_uri: str, name: str) -> RunConfig:
     """The base config with this objective and run name; training data = data_uri/train, no val loss
     (the held-out evaluation is the table)."""
-    return derive(base, {"name": f"{name}-{objective}", "objective.name": objective,
-                         "data.train_uri": join(data_uri, "train"), "data.val_uri": None})
+    return derive(
+        base,
+        {
+            "name": f"{name}-{objective}",
+            "objective.name": objective,
+            "data.train_uri": join(data_uri, "train"),
+            "data.val_uri": None,
+        },
+    )
 
 
 def write_tables(title: str, rows: list[Row], workdir: Path, console: Console) -> None:
     """compare.md, compare.html and the console's table."""
     titles = [title for title, _ in COLUMNS.values()]
     (workdir / "compare.md").write_text(f"# {title}\n\n{reports.markdown_table(titles, [row.cells() for row in rows])}")
-    (workdir / "compare.html").write_text(reports.page(title, [("Objectives", reports.table_html(
-        [dict(zip(titles, row.cells())) for row in rows]))]))
+    (workdir / "compare.html").write_text(
+        reports.page(title, [("Objectives", reports.table_html([dict(zip(titles, row.cells())) for row in rows]))])
+    )
     table = Table(title=title)
     for field, (header, _) in COLUMNS.items():
         table.add_column(header, justify="left" if field == "objective" else "right")
@@ -117,10 +140,19 @@ def write_tables(title: str, rows: list[Row], workdir: Path, console: Console) -
     console.print(table)
 
 
-def run_compare(objectives: Sequence[str], workdir: Path, data_uri: str | None = None, config: Path | None = None,
-                overrides: Sequence[str] = (), name: str | None = None, caption_length: int = 10,
-                limit: int | None = 200, samples: int = 8, num_images: int = 2000,
-                console: Console | None = None) -> list[Row]:
+def run_compare(
+    objectives: Sequence[str],
+    workdir: Path,
+    data_uri: str | None = None,
+    config: Path | None = None,
+    overrides: Sequence[str] = (),
+    name: str | None = None,
+    caption_length: int = 10,
+    limit: int | None = 200,
+    samples: int = 8,
+    num_images: int = 2000,
+    console: Console | None = None,
+) -> list[Row]:
     """Train and evaluate every objective; write the table (console, compare.md/.html, MLflow).
 
     `config` (default: none, the built-in defaults) and `overrides` make the shared budget; runs,
@@ -130,8 +162,9 @@ def run_compare(objectives: Sequence[str], workdir: Path, data_uri: str | None =
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     name = name or f"compare-{time.strftime('%Y%m%d-%H%M%S')}"  # a reused run name would resume, not train
-    base = load_config(config, [f"storage_uri={workdir / 'checkpoints'}",
-                                f"mlflow_uri=sqlite:///{workdir / 'mlflow.db'}", *overrides])
+    base = load_config(
+        config, [f"storage_uri={workdir / 'checkpoints'}", f"mlflow_uri=sqlite:///{workdir / 'mlflow.db'}", *overrides]
+    )
     endpoint_url = base.data.endpoint_url
     if data_uri is None:
         data_uri = str(workdir / "shapes")
@@ -139,23 +172,33 @@ def run_compare(objectives: Sequence[str], workdir: Path, data_uri: str | None =
             console.print(f"writing {num_images} shapes images to {data_uri}")
             write_shapes_dataset(data_uri, num=num_images, seed=base.train.seed)
     mlflow_uri = tracking.absolute_tracking_uri(base.mlflow_uri)
-    parent = tracking.get_or_create_run(mlflow_uri, base.experiment, name, {
-        "objectives": ",".join(objectives), "data": data_uri, "caption_length": caption_length, **base.model_dump()})
+    parent = tracking.get_or_create_run(
+        mlflow_uri,
+        base.experiment,
+        name,
+        {"objectives": ",".join(objectives), "data": data_uri, "caption_length": caption_length, **base.model_dump()},
+    )
     rows = []
     try:
         for objective in objectives:
             cfg = compare_config(base, objective, data_uri, name)
             console.print(f"[bold]{objective}[/bold]: training {cfg.train.steps} steps")
             summary = run_training(cfg, parent_run_id=parent)
-            metrics = evaluate_checkpoint(summary.checkpoint_uri, data_uri, endpoint_url, (caption_length,), limit,
-                                          samples, cfg.train.seed)
-            row = Row(objective=objective, probe_accuracy=metrics["probe_accuracy"],
-                      compositionality_accuracy=metrics["compositionality_accuracy"],
-                      compositionality_blind_accuracy=metrics["compositionality_blind_accuracy"],
-                      text_biased=metrics["text_biased"],
-                      **{k: metrics.get(f"captions/N{caption_length}/{k}") for k in ("bleu4", "cider", "captions_per_s")},
-                      train_images_per_s=summary.metrics["images_per_s"], final_loss=summary.metrics["loss"],
-                      checkpoint=summary.checkpoint_uri, mlflow_run_id=summary.mlflow_run_id)
+            metrics = evaluate_checkpoint(
+                summary.checkpoint_uri, data_uri, endpoint_url, (caption_length,), limit, samples, cfg.train.seed
+            )
+            row = Row(
+                objective=objective,
+                probe_accuracy=metrics["probe_accuracy"],
+                compositionality_accuracy=metrics["compositionality_accuracy"],
+                compositionality_blind_accuracy=metrics["compositionality_blind_accuracy"],
+                text_biased=metrics["text_biased"],
+                **{k: metrics.get(f"captions/N{caption_length}/{k}") for k in ("bleu4", "cider", "captions_per_s")},
+                train_images_per_s=summary.metrics["images_per_s"],
+                final_loss=summary.metrics["loss"],
+                checkpoint=summary.checkpoint_uri,
+                mlflow_run_id=summary.mlflow_run_id,
+            )
             rows.append(row)
             numbers = {f"compare/{k}": v for k, v in asdict(row).items() if isinstance(v, float)}
             tracking.log_evaluation(mlflow_uri, numbers, [], run_id=summary.mlflow_run_id)
@@ -166,7 +209,9 @@ def run_compare(objectives: Sequence[str], workdir: Path, data_uri: str | None =
     title = f"mdc compare: {', '.join(objectives)} on {data_uri}, {base.train.steps} steps"
     write_tables(title, rows, workdir, console)
     parent_metrics = {f"{row.objective}/{k}": v for row in rows for k, v in asdict(row).items() if isinstance(v, float)}
-    tracking.log_evaluation(mlflow_uri, parent_metrics, [workdir / "compare.md", workdir / "compare.html"], run_id=parent)
+    tracking.log_evaluation(
+        mlflow_uri, parent_metrics, [workdir / "compare.md", workdir / "compare.html"], run_id=parent
+    )
     tracking.finish_run(mlflow_uri, parent)
     console.print(f"table: {workdir / 'compare.md'}, {workdir / 'compare.html'}; MLflow parent run {parent}")
     return rows

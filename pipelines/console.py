@@ -77,8 +77,13 @@ def report_failures(kind: str, total: int, failures: list[tuple[str, str, str]])
         return
     if len(failures) == total:
         name, line, where = failures[0]
-        console.print(Text.assemble(("error: ", "red"), f"all {total} {kind}s failed; the first, {name}: {line} "
-                                    f"(full error: {where})"))
+        console.print(
+            Text.assemble(
+                ("error: ", "red"), f"all {total} {kind}s failed; the first, {name}: {line} (full error: {where})"
+            )
+        )
         raise typer.Exit(1)
-    warn(f"{len(failures)} of {total} {kind}s failed: "
-         + "; ".join(f"{name}: {line} ({where})" for name, line, where in failures))
+    warn(
+        f"{len(failures)} of {total} {kind}s failed: "
+        + "; ".join(f"{name}: {line} ({where})" for name, line, where in failures)
+    )

@@ -54,9 +54,14 @@ def evaluate_demo_model(checkpoint_dir: str, data_uri: str, endpoint_url: str) -
         warnings.simplefilter("ignore", ConvergenceWarning)
         probe = probe_shapes(model, data_uri, endpoint_url, baseline=random_init(cfg))
     comp = evaluate_shapes(model, cfg.objective.name, data_uri, endpoint_url, samples=4, limit=100, benchmarks=("aro",))
-    return {"probe_accuracy": probe["accuracy"], "probe_random_init_accuracy": probe["random_init_accuracy"],
-            "compositionality_scorer": comp["scorer"], "compositionality": comp["accuracy"],
-            "compositionality_blind": comp["blind_accuracy"], "compositionality_text_biased": comp["text_biased"]}
+    return {
+        "probe_accuracy": probe["accuracy"],
+        "probe_random_init_accuracy": probe["random_init_accuracy"],
+        "compositionality_scorer": comp["scorer"],
+        "compositionality": comp["accuracy"],
+        "compositionality_blind": comp["blind_accuracy"],
+        "compositionality_text_biased": comp["text_biased"],
+    }
 
 
 def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), verbose: bool = False) -> dict:
@@ -64,50 +69,83 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
     workdir.mkdir(parents=True, exist_ok=True)
     with local_s3_server() as endpoint:
         data_uri = f"s3://{BUCKET}/shapes"
-        cfg = load_config(DEFAULT_CONFIG, [
-            f"data.train_uri={data_uri}/train", f"data.val_uri={data_uri}/val", f"data.endpoint_url={endpoint}",
-            f"storage_uri={workdir / 'checkpoints'}", f"mlflow_uri=sqlite:///{workdir / 'mlflow.db'}",
-            *overrides])
+        cfg = load_config(
+            DEFAULT_CONFIG,
+            [
+                f"data.train_uri={data_uri}/train",
+                f"data.val_uri={data_uri}/val",
+                f"data.endpoint_url={endpoint}",
+                f"storage_uri={workdir / 'checkpoints'}",
+                f"mlflow_uri=sqlite:///{workdir / 'mlflow.db'}",
+                *overrides,
+            ],
+        )
         console.print(f"[bold]local S3 server[/bold] {endpoint}; writing {num} shapes images to {data_uri}")
         create_bucket(endpoint, BUCKET)
         write_shapes_dataset(data_uri, num=num, seed=cfg.train.seed, endpoint_url=endpoint)
         with ray_session(workdir / "ray.log", verbose=verbose, num_cpus=2):
             result = run_training(cfg)
-        console.print(f"captioning {HELD_OUT} held-out images at N' = {', '.join(map(str, CAPTION_LENGTHS))}, "
-                      "probing the encoder, scoring compositionality")
+        console.print(
+            f"captioning {HELD_OUT} held-out images at N' = {', '.join(map(str, CAPTION_LENGTHS))}, "
+            "probing the encoder, scoring compositionality"
+        )
         images, captions = caption_heldout(result.checkpoint_uri, f"{data_uri}/val", endpoint)
         evaluation = evaluate_demo_model(result.checkpoint_uri, data_uri, endpoint)
 
-    summary = {"run_name": result.run_name, "final_loss": result.metrics.get("loss"),
-               "val_loss": result.metrics.get("val_loss"), "skipped_records": result.skipped,
-               "checkpoint": result.checkpoint_uri, "mlflow_run_id": result.mlflow_run_id,
-               "mlflow_uri": cfg.mlflow_uri, **evaluation, "captions": captions}
+    summary = {
+        "run_name": result.run_name,
+        "final_loss": result.metrics.get("loss"),
+        "val_loss": result.metrics.get("val_loss"),
+        "skipped_records": result.skipped,
+        "checkpoint": result.checkpoint_uri,
+        "mlflow_run_id": result.mlflow_run_id,
+        "mlflow_uri": cfg.mlflow_uri,
+        **evaluation,
+        "captions": captions,
+    }
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     report = write_report(workdir, cfg, result, evaluation, images, captions)
     if captions:
         lengths = list(captions["lengths"])
-        table = Table(title=f"held-out captions ({captions['sampler']} sampler, fixed N' = {', '.join(lengths)}: "
-                            "not told the reference's length)")
+        table = Table(
+            title=f"held-out captions ({captions['sampler']} sampler, fixed N' = {', '.join(lengths)}: "
+            "not told the reference's length)"
+        )
         table.add_column("reference")
         for n in lengths:
             table.add_column(f"N' = {n}")
         for entry in captions["captions"][:8]:
             table.add_row(entry["references"][0], *(entry["generated"][n] for n in lengths))
         console.print(table)
-        console.print(f"on {captions['num_images']} held-out images: " + "; ".join(
-            f"N' = {n}: BLEU-4 {m['bleu4']:.3f}, CIDEr-D {m['cider']:.3f}" for n, m in captions["lengths"].items()),
-            highlight=False)
-    console.print(f"final loss {summary['final_loss']:.4f}, val loss {summary['val_loss']:.4f}, "
-                  f"skipped {result.skipped or 'none'}")
-    console.print(f"linear probe (shape of the first object, held out): {evaluation['probe_accuracy']:.3f} "
-                  f"vs {evaluation['probe_random_init_accuracy']:.3f} at random init")
-    console.print(f"compositionality ({evaluation['compositionality_scorer']}; blind: another item's image): "
-                  + ", ".join(f"{k} {v:.3f} (blind {evaluation['compositionality_blind'][k]:.3f}"
-                              + (", text-biased)" if k in evaluation["compositionality_text_biased"] else ")")
-                              for k, v in evaluation["compositionality"].items()))
-    console.print(f"report: {report}\ncheckpoint: {result.checkpoint_uri}\n"
-                  f"MLflow: mlflow ui --backend-store-uri {cfg.mlflow_uri} (run {result.mlflow_run_id})\n"
-                  f"summary: {workdir / 'summary.json'}", highlight=False)
+        console.print(
+            f"on {captions['num_images']} held-out images: "
+            + "; ".join(
+                f"N' = {n}: BLEU-4 {m['bleu4']:.3f}, CIDEr-D {m['cider']:.3f}" for n, m in captions["lengths"].items()
+            ),
+            highlight=False,
+        )
+    console.print(
+        f"final loss {summary['final_loss']:.4f}, val loss {summary['val_loss']:.4f}, "
+        f"skipped {result.skipped or 'none'}"
+    )
+    console.print(
+        f"linear probe (shape of the first object, held out): {evaluation['probe_accuracy']:.3f} "
+        f"vs {evaluation['probe_random_init_accuracy']:.3f} at random init"
+    )
+    console.print(
+        f"compositionality ({evaluation['compositionality_scorer']}; blind: another item's image): "
+        + ", ".join(
+            f"{k} {v:.3f} (blind {evaluation['compositionality_blind'][k]:.3f}"
+            + (", text-biased)" if k in evaluation["compositionality_text_biased"] else ")")
+            for k, v in evaluation["compositionality"].items()
+        )
+    )
+    console.print(
+        f"report: {report}\ncheckpoint: {result.checkpoint_uri}\n"
+        f"MLflow: mlflow ui --backend-store-uri {cfg.mlflow_uri} (run {result.mlflow_run_id})\n"
+        f"summary: {workdir / 'summary.json'}",
+        highlight=False,
+    )
     return summary
 
 
@@ -115,14 +153,27 @@ def write_report(workdir: Path, cfg, result, evaluation: dict, images, captions:
     """report.html (and curves.png) in the work folder, also an artifact of the training run: the
     loss curves, the probe and compositionality tables, the held-out images beside their captions."""
     tracking_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
-    curves = reports.curves_png(tracking.metric_history(tracking_uri, result.mlflow_run_id, reports.CURVES), workdir / "curves.png",
-                                f"{cfg.name}: {cfg.train.steps} steps of {cfg.train.num_workers} x {cfg.train.batch_size}")
-    sections = [("Training", reports.image_html(curves, "training and validation loss")),
-                ("Linear probe and compositionality", reports.results_html(evaluation))]
+    curves = reports.curves_png(
+        tracking.metric_history(tracking_uri, result.mlflow_run_id, reports.CURVES),
+        workdir / "curves.png",
+        f"{cfg.name}: {cfg.train.steps} steps of {cfg.train.num_workers} x {cfg.train.batch_size}",
+    )
+    sections = [
+        ("Training", reports.image_html(curves, "training and validation loss")),
+        ("Linear probe and compositionality", reports.results_html(evaluation)),
+    ]
     if captions:
-        sections.append(("Held-out captions", reports.captions_html(
-            images, captions, f"Written at the paper's fixed lengths N' = {', '.join(captions['lengths'])}, "
-                              "not at each reference's own length.")))
+        sections.append(
+            (
+                "Held-out captions",
+                reports.captions_html(
+                    images,
+                    captions,
+                    f"Written at the paper's fixed lengths N' = {', '.join(captions['lengths'])}, "
+                    "not at each reference's own length.",
+                ),
+            )
+        )
     path = workdir / "report.html"
     path.write_text(reports.page(f"mdc demo: {cfg.name}", sections))
     tracking.log_artifacts(tracking_uri, result.mlflow_run_id, [path, curves], "report")

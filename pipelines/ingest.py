@@ -23,8 +23,8 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import ray
@@ -50,8 +50,9 @@ class IngestResources:
     max_readers: int
 
 
-def ingest_resources(cluster_cpus: float, training_cpus: float, override: float | None = None,
-                     held_cpus: float = 0.0) -> IngestResources:
+def ingest_resources(
+    cluster_cpus: float, training_cpus: float, override: float | None = None, held_cpus: float = 0.0
+) -> IngestResources:
     """Ingest gets what the training workers leave (or `override`, data.ingest_cpus), as one
     reader per whole CPU of it, none asking for more than one CPU: a 2-CPU machine runs one 1-CPU
     reader beside two 0.5-CPU workers and a 64-CPU node runs 56 beside 8 one-CPU workers. CPUs
@@ -59,8 +60,10 @@ def ingest_resources(cluster_cpus: float, training_cpus: float, override: float 
     are left to them, and requests are rounded down to 0.01 CPU, so a reader always fits."""
     budget = override if override is not None else cluster_cpus - training_cpus
     if budget <= 0:
-        raise ConfigError(f"no CPU left for data ingest: the cluster has {cluster_cpus:g} CPUs and the "
-                         f"training workers hold {training_cpus:g}; lower train.cpus_per_worker or set data.ingest_cpus")
+        raise ConfigError(
+            f"no CPU left for data ingest: the cluster has {cluster_cpus:g} CPUs and the "
+            f"training workers hold {training_cpus:g}; lower train.cpus_per_worker or set data.ingest_cpus"
+        )
     usable = budget - held_cpus if budget - held_cpus >= 0.01 else budget  # a holder about to leave waits
     readers = max(1, int(usable + 1e-9))
     return IngestResources(budget, math.floor(min(1.0, usable / readers) * 100) / 100, readers)
@@ -160,16 +163,21 @@ def _tagged(batches: Iterator[dict], index: int) -> Iterator[dict]:
             continue
         if held is not None:
             yield held
-        held = {**batch, "shard": np.full(n, index), "row": np.arange(rows, rows + n),
-                "shard_rows": np.zeros(n, np.int64)}
+        held = {
+            **batch,
+            "shard": np.full(n, index),
+            "row": np.arange(rows, rows + n),
+            "shard_rows": np.zeros(n, np.int64),
+        }
         rows += n
     if held is not None:
         held["shard_rows"][:] = rows
         yield held
 
 
-def read_shards(batch: dict, image_size: int, max_length: int, counter, endpoint_url: str | None,
-                subset: Subset, skips=None) -> Iterator[dict]:
+def read_shards(
+    batch: dict, image_size: int, max_length: int, counter, endpoint_url: str | None, subset: Subset, skips=None
+) -> Iterator[dict]:
     """One task: shard paths in → their samples out as decoded, tokenized batches of DECODE_BATCH,
     yielded as they fill, so memory holds a batch and one open shard whatever the shard's size.
     Shards `skips` (a ShardSkips) names are passed over unread."""
@@ -180,8 +188,9 @@ def read_shards(batch: dict, image_size: int, max_length: int, counter, endpoint
         yield from _tagged(_read_shard(str(shard), image_size, max_length, counter, endpoint_url, subset), int(index))
 
 
-def _read_shard(shard: str, image_size: int, max_length: int, counter, endpoint_url: str | None,
-                subset: Subset) -> Iterator[dict]:
+def _read_shard(
+    shard: str, image_size: int, max_length: int, counter, endpoint_url: str | None, subset: Subset
+) -> Iterator[dict]:
     """One shard's samples as decoded batches; its skip counts go to `counter` once it is read to
     its end (a read cut short reports nothing: the shard is read again, in full, later)."""
     skips, pending = Counter(), []
@@ -196,10 +205,20 @@ def _read_shard(shard: str, image_size: int, max_length: int, counter, endpoint_
         counter.add.remote(shard, +skips)
 
 
-def build_dataset(uri: str, image_size: int, max_length: int, counter=None, endpoint_url: str | None = None,
-                  resources: IngestResources | None = None, shuffle_seed: int | None = 0,
-                  subset_fraction: float | None = None, subset_salt: str = "subset",
-                  format: shards.ShardFormat = "auto", skips=None, files: list[str] | None = None) -> ray.data.Dataset:
+def build_dataset(
+    uri: str,
+    image_size: int,
+    max_length: int,
+    counter=None,
+    endpoint_url: str | None = None,
+    resources: IngestResources | None = None,
+    shuffle_seed: int | None = 0,
+    subset_fraction: float | None = None,
+    subset_salt: str = "subset",
+    format: shards.ShardFormat = "auto",
+    skips=None,
+    files: list[str] | None = None,
+) -> ray.data.Dataset:
     """A streaming dataset of {"image": (3,S,S) uint8, "tokens": (L,) int64} from shards at `uri`;
     the consumer normalises the pixels (`mdc.data.images.normalize`), where it is cheap (on the GPU).
     Every row also has "shard" (its index in the sorted shard list), "row" (its place in the
@@ -217,7 +236,9 @@ def build_dataset(uri: str, image_size: int, max_length: int, counter=None, endp
     ds = ds.map_batches(
         read_shards,
         fn_args=(image_size, max_length, counter, endpoint_url, Subset(subset_fraction, subset_salt), skips),
-        batch_size=1, batch_format="numpy", num_cpus=resources.cpus_per_reader,
+        batch_size=1,
+        batch_format="numpy",
+        num_cpus=resources.cpus_per_reader,
         compute=ray.data.TaskPoolStrategy(size=resources.max_readers),
     )
     # Ray would merge a task's batches up to 128 MiB blocks (a whole shard of small images): one
@@ -227,6 +248,7 @@ def build_dataset(uri: str, image_size: int, max_length: int, counter=None, endp
 
 
 # ------------------------------------------------------------------------------------------ stalls
+
 
 def stalled_operator() -> str:
     """The first operator of the newest running training dataset that has completed no task,
@@ -252,10 +274,12 @@ def stalled_operator() -> str:
 
 def describe_stall(uri: str, timeout_s: float, rank: int, resources: IngestResources, training_cpus: float) -> str:
     total, free = ray.cluster_resources().get("CPU", 0.0), ray.available_resources().get("CPU", 0.0)
-    return (f"no batch from {uri} reached training worker {rank} in {timeout_s:g} s (data.stall_timeout_s): "
-            f"{stalled_operator()}; ingest requests {resources.cpus_per_reader:g} CPU per reader "
-            f"(up to {resources.max_readers}, budget {resources.budget:g}) and {free:g} of the cluster's "
-            f"{total:g} CPUs are free, {training_cpus:g} held by the training workers")
+    return (
+        f"no batch from {uri} reached training worker {rank} in {timeout_s:g} s (data.stall_timeout_s): "
+        f"{stalled_operator()}; ingest requests {resources.cpus_per_reader:g} CPU per reader "
+        f"(up to {resources.max_readers}, budget {resources.budget:g}) and {free:g} of the cluster's "
+        f"{total:g} CPUs are free, {training_cpus:g} held by the training workers"
+    )
 
 
 class BatchFeed:

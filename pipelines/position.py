@@ -48,8 +48,9 @@ class DataPosition:
         return None if raw is None else cls(**{**raw, "consumed": tuple(raw["consumed"])})
 
 
-def resume_point(position: DataPosition | None, epoch: int, shard_seed: int | None, shards: str,
-                 num_shards: int) -> tuple[int, frozenset[int], str]:
+def resume_point(
+    position: DataPosition | None, epoch: int, shard_seed: int | None, shards: str, num_shards: int
+) -> tuple[int, frozenset[int], str]:
     """(epoch to train, shards it passes over, why) for a run resumed at checkpoint epoch `epoch`.
     The checkpoint's epoch goes on with what it had not consumed, unless the position is missing
     or belongs to other data or another seed; an epoch consumed in full is over."""
@@ -59,8 +60,12 @@ def resume_point(position: DataPosition | None, epoch: int, shard_seed: int | No
         return epoch + 1, frozenset(), "the shard list or train.seed changed since the checkpoint: a fresh pass"
     if len(position.consumed) >= num_shards:
         return position.epoch + 1, frozenset(), f"epoch {position.epoch} was consumed in full: a fresh pass"
-    return (position.epoch, frozenset(position.consumed), f"epoch {position.epoch} goes on with the "
-            f"{num_shards - len(position.consumed)} of its {num_shards} shards not yet consumed")
+    return (
+        position.epoch,
+        frozenset(position.consumed),
+        f"epoch {position.epoch} goes on with the "
+        f"{num_shards - len(position.consumed)} of its {num_shards} shards not yet consumed",
+    )
 
 
 def consumed_shards(trained: np.ndarray, totals: np.ndarray) -> set[int]:

@@ -50,8 +50,16 @@ class Reporter:
         """Every step moves the bar; the first and the `logged` steps also print a line where there
         is no live bar (so the wait for the workers ends visibly)."""
         numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-        self.channel.push.remote({"run": self.run, "kind": "step", "step": step, "total": self.total,
-                                  "metrics": numbers, "logged": logged or self.first})
+        self.channel.push.remote(
+            {
+                "run": self.run,
+                "kind": "step",
+                "step": step,
+                "total": self.total,
+                "metrics": numbers,
+                "logged": logged or self.first,
+            }
+        )
         self.first = False
 
     def note(self, text: str, warning: bool = False) -> None:
@@ -84,14 +92,20 @@ class ProgressDisplay:
     def __init__(self, channel, console: Console):
         self.channel, self.console = channel, console
         self.live = console.is_terminal
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), console=console,
-                                 transient=False)
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
         self.tasks, self.started, self.latest, self.warned = {}, {}, {}, set()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._poll, name="mdc-progress", daemon=True)
 
-    def __enter__(self) -> "ProgressDisplay":
+    def __enter__(self) -> ProgressDisplay:
         if self.live:
             self.progress.start()
         self.thread.start()
@@ -140,5 +154,10 @@ class ProgressDisplay:
         wait = metrics.get("data_wait_fraction")
         if wait is not None and wait > DATA_WAIT_WARNING and run not in self.warned:
             self.warned.add(run)
-            self.print(Text.assemble((f"{run}: ", "yellow"), f"waiting for data {wait:.0%} of the step time: the "
-                                     "input pipeline is the bottleneck (more CPUs for ingest: docs/clusters.md, cores per GPU)"))
+            self.print(
+                Text.assemble(
+                    (f"{run}: ", "yellow"),
+                    f"waiting for data {wait:.0%} of the step time: the "
+                    "input pipeline is the bottleneck (more CPUs for ingest: docs/clusters.md, cores per GPU)",
+                )
+            )

@@ -47,8 +47,9 @@ def set_output_handler(name: str, handler) -> None:
 def remove_output_handler(name: str, restore_ray_printer: bool) -> None:
     _dispatcher().remove_handler(name)
     if restore_ray_printer:
-        _dispatcher().add_handler(RAY_PRINTER, lambda data: ray._private.worker.print_to_stdstream(
-            data, ignore_prefix=False))
+        _dispatcher().add_handler(
+            RAY_PRINTER, lambda data: ray._private.worker.print_to_stdstream(data, ignore_prefix=False)
+        )
 
 
 @contextlib.contextmanager

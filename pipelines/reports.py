@@ -9,8 +9,8 @@ from __future__ import annotations
 import base64
 import csv
 import html
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import matplotlib
 
@@ -29,8 +29,12 @@ CURVES = ("loss", "val_loss")
 def escape(text: str) -> str:
     """Text for an element's content or a double-quoted attribute."""
     return html.escape(text, quote=False).replace('"', "&quot;")
-STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:auto}td,th{vertical-align:top;padding:4px 10px;"
-         "border-bottom:1px solid #ddd;text-align:left}img{image-rendering:pixelated}")
+
+
+STYLE = (
+    "body{font-family:sans-serif;max-width:1100px;margin:auto}td,th{vertical-align:top;padding:4px 10px;"
+    "border-bottom:1px solid #ddd;text-align:left}img{image-rendering:pixelated}"
+)
 
 
 def curves_png(history: dict[str, list[tuple[int, float]]], path: Path, title: str = "") -> Path:
@@ -140,8 +144,7 @@ def table_html(rows: Sequence[dict], caption: str = "") -> str:
     """A table with every column any row holds, in first-seen order (missing cells empty)."""
     columns = list(dict.fromkeys(key for row in rows for key in row))
     head = "".join(f"<th>{escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{escape(_cell(row.get(c)))}</td>" for c in columns) + "</tr>"
-                   for row in rows)
+    body = "".join("<tr>" + "".join(f"<td>{escape(_cell(row.get(c)))}</td>" for c in columns) + "</tr>" for row in rows)
     title = f"<caption>{escape(caption)}</caption>" if caption else ""
     return f"<table>{title}<tr>{head}</tr>{body}</table>"
 
@@ -150,29 +153,37 @@ def captions_html(images, result: dict, note: str = "") -> str:
     """Each captioned image (inline) beside its generated captions (per N') and its references, after
     the scores per N'. `images` are mdc.evaluation.captioning.CaptionImage, `result` what
     captioning.evaluate_captions returned for them."""
-    scores = [{"N'": n, "BLEU-4": m["bleu4"], "CIDEr-D": m["cider"], "captions/s": m["captions_per_s"]}
-              for n, m in result["lengths"].items()]
+    scores = [
+        {"N'": n, "BLEU-4": m["bleu4"], "CIDEr-D": m["cider"], "captions/s": m["captions_per_s"]}
+        for n, m in result["lengths"].items()
+    ]
     rows = []
     for img, entry in zip(images, result["captions"]):
         mime = "image/" + {"jpg": "jpeg"}.get(shards.image_extension(img.image), shards.image_extension(img.image))
         generated = "".join(f"<li><b>N'={n}</b> {escape(c)}</li>" for n, c in entry["generated"].items())
         refs = "".join(f"<li>{escape(r)}</li>" for r in entry["references"])
-        rows.append(f"<tr><td><img class=\"caption-image\" src=\"{data_uri(img.image, mime)}\" width=\"96\"><br>"
-                    f"<code>{escape(img.key)}</code></td><td><ul>{generated}</ul></td><td><ul>{refs}</ul></td></tr>")
-    return (f"<p>{escape(note)} Sampler: {escape(result['sampler'])}; "
-            f"{result['num_images']} held-out images.</p>{table_html(scores)}"
-            "<table><tr><th>image</th><th>generated</th><th>references</th></tr>" + "".join(rows) + "</table>")
+        rows.append(
+            f'<tr><td><img class="caption-image" src="{data_uri(img.image, mime)}" width="96"><br>'
+            f"<code>{escape(img.key)}</code></td><td><ul>{generated}</ul></td><td><ul>{refs}</ul></td></tr>"
+        )
+    return (
+        f"<p>{escape(note)} Sampler: {escape(result['sampler'])}; "
+        f"{result['num_images']} held-out images.</p>{table_html(scores)}"
+        "<table><tr><th>image</th><th>generated</th><th>references</th></tr>" + "".join(rows) + "</table>"
+    )
 
 
 def page(title: str, sections: Sequence[tuple[str, str]]) -> str:
     """A self-contained HTML page of (heading, HTML body) sections."""
     body = "".join(f"<h2>{escape(heading)}</h2>{content}" for heading, content in sections)
-    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{escape(title)}</h1>{body}</body></html>")
+    return (
+        f'<!doctype html><html><head><meta charset="utf-8"><title>{escape(title)}</title>'
+        f"<style>{STYLE}</style></head><body><h1>{escape(title)}</h1>{body}</body></html>"
+    )
 
 
 def image_html(png: Path, alt: str) -> str:
-    return f"<img class=\"curves\" alt=\"{escape(alt)}\" src=\"{data_uri(png.read_bytes(), 'image/png')}\">"
+    return f'<img class="curves" alt="{escape(alt)}" src="{data_uri(png.read_bytes(), "image/png")}">'
 
 
 def results_html(results: dict) -> str:
@@ -191,14 +202,22 @@ def training_report(cfg, summary, directory: Path, num_images: int = 8) -> list[
     """curves.png and captions.html of a finished training run (captions of the first held-out
     images at N' = 10, or the model's maximum when shorter), written to `directory`."""
     history = tracking.metric_history(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id, CURVES)
-    paths = [curves_png(history, directory / "curves.png", f"{cfg.name}: {cfg.objective.name}, {cfg.train.steps} steps")]
+    paths = [
+        curves_png(history, directory / "curves.png", f"{cfg.name}: {cfg.objective.name}, {cfg.train.steps} steps")
+    ]
     if cfg.data.val_uri and OBJECTIVES[cfg.objective.name].write:
         model, _ = load_pretrained(summary.checkpoint_uri, endpoint_url=cfg.data.endpoint_url)
         length = min(10, cfg.data.max_length - 1)
         images = captioning.group_by_image(shards.read_shards(cfg.data.val_uri, cfg.data.endpoint_url), num_images)
         result = captioning.evaluate_captions(model, cfg.objective.name, images, (length,))
-        (directory / "captions.html").write_text(page(f"{cfg.name}: held-out captions", [
-            ("Training", image_html(paths[0], "training and validation loss")),
-            ("Held-out captions", captions_html(images, result, f"Captions written at N' = {length}."))]))
+        (directory / "captions.html").write_text(
+            page(
+                f"{cfg.name}: held-out captions",
+                [
+                    ("Training", image_html(paths[0], "training and validation loss")),
+                    ("Held-out captions", captions_html(images, result, f"Captions written at N' = {length}.")),
+                ],
+            )
+        )
         paths.append(directory / "captions.html")
     return paths

@@ -52,9 +52,11 @@ def connect_ray(address: str | None = None, num_cpus: int | None = None) -> None
     if named and named not in ("auto", "local"):
         target = _host_port(named)
         if target and not _answers(*target):
-            raise UserError(f"no Ray cluster answers at {named} (TCP {target[0]}:{target[1]} refused or timed "
-                            f"out in {PROBE_TIMEOUT_S:.0f} s): start it (`ray start --head`) or drop --address / "
-                            "RAY_ADDRESS to run on a local instance")
+            raise UserError(
+                f"no Ray cluster answers at {named} (TCP {target[0]}:{target[1]} refused or timed "
+                f"out in {PROBE_TIMEOUT_S:.0f} s): start it (`ray start --head`) or drop --address / "
+                "RAY_ADDRESS to run on a local instance"
+            )
         ray.init(address=named)
         _LogRoute.install()
         return
@@ -65,8 +67,9 @@ def connect_ray(address: str | None = None, num_cpus: int | None = None) -> None
             ray.init(address=recorded)
             _LogRoute.install()
             return
-        console.print(f"Ray's current-cluster file names {recorded}, where nothing answers: starting a local "
-                      "Ray instance")
+        console.print(
+            f"Ray's current-cluster file names {recorded}, where nothing answers: starting a local Ray instance"
+        )
     ray.init(address="local", num_cpus=num_cpus, object_store_memory=512 * 1024**2, include_dashboard=True)
     _LogRoute.install()
 
@@ -182,8 +185,9 @@ def _loggers_to(sink):
     swapped = []
     for name in ROUTED_LOGGERS:
         logger = logging.getLogger(name)
-        for old in [h for h in logger.handlers if type(h) in (logging.StreamHandler,) or
-                    type(h).__name__ == "PlainRayHandler"]:
+        for old in [
+            h for h in logger.handlers if type(h) in (logging.StreamHandler,) or type(h).__name__ == "PlainRayHandler"
+        ]:
             logger.removeHandler(old)
             swapped.append((logger, old))
         if name == "ray" or not logger.propagate:
@@ -227,8 +231,11 @@ def local_s3_server():
     """A moto S3 server on 127.0.0.1 in a subprocess, always stopped on exit. Yields its endpoint
     URL and sets throwaway credentials in this process's environment (moto accepts any)."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -238,8 +245,11 @@ def local_s3_server():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"local S3 server did not start on {endpoint}")
             time.sleep(0.2)
-        for key, value in {"AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local",
-                           "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for key, value in {
+            "AWS_ACCESS_KEY_ID": "local",
+            "AWS_SECRET_ACCESS_KEY": "local",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
             os.environ.setdefault(key, value)
         yield endpoint
     finally:

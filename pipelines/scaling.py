@@ -95,8 +95,10 @@ def split_total(train_uri: str, manifest_uri: str, manifest: dict, endpoint_url:
     except ValueError as err:
         raise ScalingError(str(err)) from None
     if total is None:
-        raise ScalingError(f"{manifest_uri}: no field splits.{split}.num_samples (or no such file), and no "
-                           f"{shards.IMG2DATASET_STATS} in {train_uri}; pass --total")
+        raise ScalingError(
+            f"{manifest_uri}: no field splits.{split}.num_samples (or no such file), and no "
+            f"{shards.IMG2DATASET_STATS} in {train_uri}; pass --total"
+        )
     return total
 
 
@@ -127,8 +129,10 @@ class Probe:
         if self.dataset in readers.SHARD_DATASETS:
             uri, manifest = read_dataset_manifest(self.root, self.endpoint_url)
             if not manifest.get("class_names"):
-                raise ScalingError(f"{uri}: no field class_names (or no such file): --probe-data must be a "
-                                   "labelled dataset written by `mdc data shapes|tuxpaint`")
+                raise ScalingError(
+                    f"{uri}: no field class_names (or no such file): --probe-data must be a "
+                    "labelled dataset written by `mdc data shapes|tuxpaint`"
+                )
 
     def __call__(self, checkpoint_uri: str) -> float:
         if self.splits is None:
@@ -151,22 +155,44 @@ def pairs_seen(cfg: RunConfig) -> int:
 
 def write_report(rows: list[dict], directory: Path, title: str) -> list[Path]:
     """The curve (PNG) and the table (CSV, Markdown) of the sizes done so far."""
-    table = reports.markdown_table(COLUMNS[:6], [[str(r["size"]), r["run_name"], f"{r['fraction']:.4f}", str(r["steps"]),
-                                                  str(r["pairs_seen"]), f"{r['probe_accuracy']:.4f}"] for r in rows])
+    table = reports.markdown_table(
+        COLUMNS[:6],
+        [
+            [
+                str(r["size"]),
+                r["run_name"],
+                f"{r['fraction']:.4f}",
+                str(r["steps"]),
+                str(r["pairs_seen"]),
+                f"{r['probe_accuracy']:.4f}",
+            ]
+            for r in rows
+        ],
+    )
     (directory / TABLE_MD).write_text(title + "\n\n" + table)
-    return [reports.scaling_png([r["size"] for r in rows], [r["probe_accuracy"] for r in rows], directory / CURVE, title),
-            reports.write_csv(directory / TABLE_CSV, COLUMNS, rows), directory / TABLE_MD]
+    return [
+        reports.scaling_png([r["size"] for r in rows], [r["probe_accuracy"] for r in rows], directory / CURVE, title),
+        reports.write_csv(directory / TABLE_CSV, COLUMNS, rows),
+        directory / TABLE_MD,
+    ]
 
 
-def run_scaling(base: RunConfig, sizes: list[int], total: int, name: str, probe: Probe
-                ) -> tuple[list[dict], list[tuple[str, str, str]]]:
+def run_scaling(
+    base: RunConfig, sizes: list[int], total: int, name: str, probe: Probe
+) -> tuple[list[dict], list[tuple[str, str, str]]]:
     """Train and probe every size that has no result yet; returns one row per finished size and
     the failed ones as (run name, error line, where its traceback is). A failed size does not stop
     the others; its traceback goes to STORAGE/NAME-SIZE/error.txt."""
     endpoint = base.data.endpoint_url
     mlflow_uri = tracking.absolute_tracking_uri(base.mlflow_uri)
-    params = {"sizes": ",".join(map(str, sizes)), "total": total, "train_uri": base.data.train_uri,
-              "subset_salt": base.data.subset_salt, "steps": base.train.steps, "pairs_seen": pairs_seen(base)}
+    params = {
+        "sizes": ",".join(map(str, sizes)),
+        "total": total,
+        "train_uri": base.data.train_uri,
+        "subset_salt": base.data.subset_salt,
+        "steps": base.train.steps,
+        "pairs_seen": pairs_seen(base),
+    }
     parent = tracking.get_or_create_run(mlflow_uri, base.experiment, name, params)
     rows, failures = [], []
     try:
@@ -193,16 +219,24 @@ def run_scaling(base: RunConfig, sizes: list[int], total: int, name: str, probe:
                 continue
             tracking.log_metrics(mlflow_uri, summary.mlflow_run_id, {f"eval/probe/{probe.dataset}/accuracy": accuracy})
             tracking.log_metrics(mlflow_uri, parent, {"scaling/probe_accuracy": accuracy}, step=size)
-            row = {"size": size, "run_name": cfg.name, "fraction": cfg.data.subset_fraction,
-                   "steps": cfg.train.steps, "pairs_seen": pairs_seen(cfg), "probe_accuracy": accuracy,
-                   "mlflow_run_id": summary.mlflow_run_id, "checkpoint_uri": summary.checkpoint_uri}
+            row = {
+                "size": size,
+                "run_name": cfg.name,
+                "fraction": cfg.data.subset_fraction,
+                "steps": cfg.train.steps,
+                "pairs_seen": pairs_seen(cfg),
+                "probe_accuracy": accuracy,
+                "mlflow_run_id": summary.mlflow_run_id,
+                "checkpoint_uri": summary.checkpoint_uri,
+            }
             storage.write_bytes(results_uri, json.dumps(row, indent=2).encode(), endpoint)
             console.print(f"{cfg.name}: probe {accuracy:.4f}")
             rows.append(row)
         title = f"{name}: {pairs_seen(base)} pairs seen per model ({base.train.steps} steps)"
         with tempfile.TemporaryDirectory() as directory:
-            tracking.log_artifacts(mlflow_uri, parent, write_report(rows, Path(directory), title) if rows else [],
-                                   "scaling")
+            tracking.log_artifacts(
+                mlflow_uri, parent, write_report(rows, Path(directory), title) if rows else [], "scaling"
+            )
             if rows:
                 console.print(Path(directory, TABLE_MD).read_text(), markup=False)
     except BaseException:

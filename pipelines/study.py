@@ -23,7 +23,7 @@ import math
 import re
 import time
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -46,8 +46,19 @@ console = Console(soft_wrap=True)
 RESULT = "result.json"
 CONFIDENCE = 0.95
 VERDICTS = ("holds", "reversed", "inconclusive")
-CLAIM_FIELDS = ("name", "metric", "arm_a", "arm_b", "seeds", "values_a", "values_b", "mean_diff", "ci_low",
-                "ci_high", "verdict")
+CLAIM_FIELDS = (
+    "name",
+    "metric",
+    "arm_a",
+    "arm_b",
+    "seeds",
+    "values_a",
+    "values_b",
+    "mean_diff",
+    "ci_low",
+    "ci_high",
+    "verdict",
+)
 # Metrics a run reports (pipelines.compare.evaluate_checkpoint plus the training summary), by pattern.
 RUN_METRICS = {
     r"final_loss|val_loss|train_images_per_s": None,
@@ -73,9 +84,10 @@ class DatasetPlan(_Strict):
 
     kind: Literal["shapes", "tuxpaint", "shards"] = "shapes"
     num: int = Field(2000, ge=10, description="shapes: images to generate")
-    max_objects: Literal[1, 2] = Field(2, description="shapes: 1 gives one shape per image and captions of "
-                                       "4 tokens (no compositionality pairs)")
-    uri: Optional[str] = Field(None, description="shards: the dataset root")
+    max_objects: Literal[1, 2] = Field(
+        2, description="shapes: 1 gives one shape per image and captions of 4 tokens (no compositionality pairs)"
+    )
+    uri: str | None = Field(None, description="shards: the dataset root")
 
     @property
     def has_pairs(self) -> bool:
@@ -92,8 +104,9 @@ class DatasetPlan(_Strict):
 
 class Evaluations(_Strict):
     probe: bool = True
-    probe_baseline: bool = Field(False, description="also probe the arm's ViT at random init: "
-                                 "probe_random_init_accuracy, probe_gain")
+    probe_baseline: bool = Field(
+        False, description="also probe the arm's ViT at random init: probe_random_init_accuracy, probe_gain"
+    )
     compositionality: bool = True
     normalize: Literal["none", "token"] = "none"
     caption_lengths: list[int] = Field(default_factory=lambda: [10], description="N' of the captions metrics")
@@ -105,14 +118,14 @@ class Claim(_Strict):
     name: str
     metric: str
     arm_a: str
-    arm_b: Optional[str] = Field(None, description="none: arm a's metric against 0 (e.g. probe_gain)")
+    arm_b: str | None = Field(None, description="none: arm a's metric against 0 (e.g. probe_gain)")
     expect: Literal["greater", "less", "at_least"] = "greater"
     margin: float = Field(0.0, ge=0.0, description="at_least: how far a may trail b and still hold")
 
 
 class Plan(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    config: Optional[str] = Field(None, description="base run config, relative to the plan file")
+    config: str | None = Field(None, description="base run config, relative to the plan file")
     seeds: list[int] = Field(min_length=2)
     budget: dict[str, Any] = Field(default_factory=dict, description="overrides shared by every run")
     datasets: dict[str, DatasetPlan] = Field(default_factory=lambda: {"shapes": DatasetPlan()}, min_length=1)
@@ -138,8 +151,9 @@ class Plan(_Strict):
         for i, claim in enumerate(self.claims):
             for side in ("arm_a", "arm_b") if claim.arm_b is not None else ("arm_a",):
                 if getattr(claim, side) not in self.arms:
-                    raise ValueError(f"claims.{i}.{side}: {getattr(claim, side)!r} is not one of the arms "
-                                     f"{sorted(self.arms)}")
+                    raise ValueError(
+                        f"claims.{i}.{side}: {getattr(claim, side)!r} is not one of the arms {sorted(self.arms)}"
+                    )
             if claim.arm_a == claim.arm_b:
                 raise ValueError(f"claims.{i}: arm_a and arm_b are both {claim.arm_a!r}")
             self._check_metric(i, claim.metric)
@@ -152,13 +166,16 @@ class Plan(_Strict):
                 continue
             if evaluation == "captions":
                 if int(match.group(1)) not in self.evaluations.caption_lengths:
-                    raise ValueError(f"claims.{i}.metric: {metric!r} needs {match.group(1)} in "
-                                     f"evaluations.caption_lengths {self.evaluations.caption_lengths}")
+                    raise ValueError(
+                        f"claims.{i}.metric: {metric!r} needs {match.group(1)} in "
+                        f"evaluations.caption_lengths {self.evaluations.caption_lengths}"
+                    )
             elif evaluation is not None and not getattr(self.evaluations, evaluation):
                 raise ValueError(f"claims.{i}.metric: {metric!r} needs evaluations.{evaluation}: true")
             return
-        raise ValueError(f"claims.{i}.metric: unknown metric {metric!r}; expected one of the patterns "
-                         f"{list(RUN_METRICS)}")
+        raise ValueError(
+            f"claims.{i}.metric: unknown metric {metric!r}; expected one of the patterns {list(RUN_METRICS)}"
+        )
 
 
 def _explain(err: ValidationError, source: str) -> StudyError:
@@ -185,6 +202,7 @@ def load_plan(path: Path) -> Plan:
 
 # ------------------------------------------------------------------------------ runs of a plan
 
+
 def arm_dataset(plan: Plan, arm: str) -> str:
     """The dataset an arm trains and is evaluated on: its `data`, else the plan's first."""
     return plan.arms[arm].get("data", next(iter(plan.datasets)))
@@ -208,8 +226,12 @@ def run_configs(plan: Plan, plan_path: Path, out: Path) -> dict[tuple[str, int],
     for arm, overrides in plan.arms.items():
         overrides = {k: v for k, v in overrides.items() if k != "data"}
         root = dataset_root(plan, arm, out)
-        study = {"storage_uri": str(out / "checkpoints"), "mlflow_uri": f"sqlite:///{out / 'mlflow.db'}",
-                 "data.train_uri": join(root, "train"), "data.val_uri": join(root, "val")}
+        study = {
+            "storage_uri": str(out / "checkpoints"),
+            "mlflow_uri": f"sqlite:///{out / 'mlflow.db'}",
+            "data.train_uri": join(root, "train"),
+            "data.val_uri": join(root, "val"),
+        }
         for seed in plan.seeds:
             items = {**study, **plan.budget, **overrides, "train.seed": seed, "name": run_name(plan, arm, seed)}
             try:
@@ -220,13 +242,19 @@ def run_configs(plan: Plan, plan_path: Path, out: Path) -> dict[tuple[str, int],
         match = re.fullmatch(r"captions/N(\d+)/.*", claim.metric)
         for arm in filter(None, (claim.arm_a, claim.arm_b)):
             cfg = configs[arm, plan.seeds[0]]
-            if claim.metric.startswith(("compositionality", "blind/")) and \
-                    not plan.datasets[arm_dataset(plan, arm)].has_pairs:
-                raise StudyError(f"claims.{i}.metric: arm {arm!r} trains on data with no compositionality pairs "
-                                 f"(Tux Paint, or one-object shapes)")
+            if (
+                claim.metric.startswith(("compositionality", "blind/"))
+                and not plan.datasets[arm_dataset(plan, arm)].has_pairs
+            ):
+                raise StudyError(
+                    f"claims.{i}.metric: arm {arm!r} trains on data with no compositionality pairs "
+                    f"(Tux Paint, or one-object shapes)"
+                )
             if match and int(match.group(1)) > cfg.data.max_length:
-                raise StudyError(f"claims.{i}.metric: arm {arm!r} cannot write {match.group(1)}-token captions "
-                                 f"(data.max_length {cfg.data.max_length})")
+                raise StudyError(
+                    f"claims.{i}.metric: arm {arm!r} cannot write {match.group(1)}-token captions "
+                    f"(data.max_length {cfg.data.max_length})"
+                )
             if match and OBJECTIVES[cfg.objective.name].write is None:
                 raise StudyError(f"claims.{i}.metric: arm {arm!r} is {cfg.objective.name!r}, which writes no captions")
     return configs
@@ -249,8 +277,10 @@ def check_data(plan: Plan) -> None:
     """Fail before anything runs if a Tux Paint dataset has no stamps to read."""
     for name, spec in plan.datasets.items():
         if spec.kind == "tuxpaint" and not Path(tuxpaint.DEFAULT_ROOT).is_dir():
-            raise StudyError(f"datasets.{name}.kind: tuxpaint needs Debian's tuxpaint-stamps-default "
-                             f"({tuxpaint.DEFAULT_ROOT} not found)")
+            raise StudyError(
+                f"datasets.{name}.kind: tuxpaint needs Debian's tuxpaint-stamps-default "
+                f"({tuxpaint.DEFAULT_ROOT} not found)"
+            )
 
 
 def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: str) -> dict:
@@ -262,18 +292,36 @@ def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: 
     console.print(f"[bold]{cfg.name}[/bold]: training {cfg.train.steps} steps")
     summary = run_training(cfg, parent_run_id=parent)
     ev = plan.evaluations
-    metrics = evaluate_checkpoint(summary.checkpoint_uri, dataset_root(plan, arm, out), cfg.data.endpoint_url,
-                                  ev.caption_lengths, ev.limit, ev.samples, cfg.train.seed, ev.normalize, ev.probe,
-                                  ev.compositionality and plan.datasets[arm_dataset(plan, arm)].has_pairs)
+    metrics = evaluate_checkpoint(
+        summary.checkpoint_uri,
+        dataset_root(plan, arm, out),
+        cfg.data.endpoint_url,
+        ev.caption_lengths,
+        ev.limit,
+        ev.samples,
+        cfg.train.seed,
+        ev.normalize,
+        ev.probe,
+        ev.compositionality and plan.datasets[arm_dataset(plan, arm)].has_pairs,
+    )
     if ev.probe_baseline:
         metrics["probe_random_init_accuracy"] = random_init_probe(cfg, dataset_root(plan, arm, out))
         metrics["probe_gain"] = metrics["probe_accuracy"] - metrics["probe_random_init_accuracy"]
-    metrics.update(final_loss=summary.metrics["loss"], val_loss=summary.metrics.get("val_loss"),
-                   train_images_per_s=summary.metrics["images_per_s"])
+    metrics.update(
+        final_loss=summary.metrics["loss"],
+        val_loss=summary.metrics.get("val_loss"),
+        train_images_per_s=summary.metrics["images_per_s"],
+    )
     numbers = {f"study/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
     tracking.log_evaluation(cfg.mlflow_uri, numbers, [], run_id=summary.mlflow_run_id)
-    result = {"arm": arm, "seed": cfg.train.seed, "run_name": cfg.name, "checkpoint": summary.checkpoint_uri,
-              "mlflow_run_id": summary.mlflow_run_id, "metrics": metrics}
+    result = {
+        "arm": arm,
+        "seed": cfg.train.seed,
+        "run_name": cfg.name,
+        "checkpoint": summary.checkpoint_uri,
+        "mlflow_run_id": summary.mlflow_run_id,
+        "metrics": metrics,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))  # last: its presence means the run is done
     return result
@@ -284,8 +332,14 @@ def random_init_probe(cfg: RunConfig, data_uri: str) -> float:
     Runs whose models are built alike (the registry's builder, the model section, the caption
     length, a null image or not) with the same seed on the same data have the same random weights,
     so they share one probe."""
-    key = (id(OBJECTIVES[cfg.objective.name].build), cfg.model.model_dump_json(), cfg.data.max_length,
-           cfg.objective.image_free_prob > 0, cfg.train.seed, data_uri)
+    key = (
+        id(OBJECTIVES[cfg.objective.name].build),
+        cfg.model.model_dump_json(),
+        cfg.data.max_length,
+        cfg.objective.image_free_prob > 0,
+        cfg.train.seed,
+        data_uri,
+    )
     if key not in _RANDOM_INIT_PROBES:
         model = probe.random_init(cfg, seed=cfg.train.seed)
         _RANDOM_INIT_PROBES[key] = probe.probe_shapes(model, data_uri, cfg.data.endpoint_url)["accuracy"]
@@ -297,11 +351,13 @@ _RANDOM_INIT_PROBES: dict[tuple, float] = {}
 
 # ------------------------------------------------------------------------------------ statistics
 
+
 def paired_interval(values_a: list[float], values_b: list[float], confidence: float = CONFIDENCE):
     """(mean, low, high) of the paired differences a − b: mean ± t(1 − α/2, n − 1) · sd / √n."""
     if len(values_a) != len(values_b) or len(values_a) < 2:
-        raise StudyError(f"paired interval needs two equally long lists of >= 2 values, got "
-                         f"{len(values_a)} and {len(values_b)}")
+        raise StudyError(
+            f"paired interval needs two equally long lists of >= 2 values, got {len(values_a)} and {len(values_b)}"
+        )
     diffs = [a - b for a, b in zip(values_a, values_b)]
     n = len(diffs)
     mean = sum(diffs) / n
@@ -328,18 +384,31 @@ def claim_result(plan: Plan, claim: Claim, results: dict[tuple[str, int], dict])
         for seed in plan.seeds:
             value = results[arm, seed]["metrics"].get(claim.metric)
             if value is None:
-                raise StudyError(f"claim {claim.name!r}: run {run_name(plan, arm, seed)} has no metric "
-                                 f"{claim.metric!r} (its metrics: {sorted(results[arm, seed]['metrics'])})")
+                raise StudyError(
+                    f"claim {claim.name!r}: run {run_name(plan, arm, seed)} has no metric "
+                    f"{claim.metric!r} (its metrics: {sorted(results[arm, seed]['metrics'])})"
+                )
             out.append(float(value))
         return out
 
     values_a = values(claim.arm_a)
     values_b = values(claim.arm_b) if claim.arm_b else [0.0] * len(values_a)
     mean, low, high = paired_interval(values_a, values_b)
-    return {"name": claim.name, "metric": claim.metric, "arm_a": claim.arm_a, "arm_b": claim.arm_b,
-            "seeds": list(plan.seeds), "values_a": values_a, "values_b": values_b, "mean_diff": mean,
-            "ci_low": low, "ci_high": high, "verdict": verdict(low, high, claim.expect, claim.margin),
-            "expect": claim.expect, "margin": claim.margin}
+    return {
+        "name": claim.name,
+        "metric": claim.metric,
+        "arm_a": claim.arm_a,
+        "arm_b": claim.arm_b,
+        "seeds": list(plan.seeds),
+        "values_a": values_a,
+        "values_b": values_b,
+        "mean_diff": mean,
+        "ci_low": low,
+        "ci_high": high,
+        "verdict": verdict(low, high, claim.expect, claim.margin),
+        "expect": claim.expect,
+        "margin": claim.margin,
+    }
 
 
 # ------------------------------------------------------------------------------------ the report
@@ -348,16 +417,30 @@ EXPECT_TEXT = {"greater": "a > b", "less": "a < b", "at_least": "a ≥ b − {ma
 
 
 def results_markdown(plan: Plan, claims: list[dict], wall_s: float) -> str:
-    lines = [f"# Study {plan.name}", "",
-             f"{len(plan.seeds)} seeds per arm ({', '.join(map(str, plan.seeds))}); differences a − b paired by seed; "
-             f"{int(CONFIDENCE * 100)}% Student-t interval over the paired differences. This launch took "
-             f"{wall_s:.0f} s (runs finished before are not rerun).", "",
-             ]
+    lines = [
+        f"# Study {plan.name}",
+        "",
+        f"{len(plan.seeds)} seeds per arm ({', '.join(map(str, plan.seeds))}); differences a − b paired by seed; "
+        f"{int(CONFIDENCE * 100)}% Student-t interval over the paired differences. This launch took "
+        f"{wall_s:.0f} s (runs finished before are not rerun).",
+        "",
+    ]
     columns = ("claim", "metric", "a", "b", "expected", "values a", "values b", "mean a − b", "95% CI", "verdict")
-    rows = [[c["name"], c["metric"], c["arm_a"], c["arm_b"] or "0",
-             EXPECT_TEXT[c["expect"]].format(margin=c["margin"]).replace("b", "b" if c["arm_b"] else "0"),
-             ", ".join(f"{v:.3f}" for v in c["values_a"]), ", ".join(f"{v:.3f}" for v in c["values_b"]),
-             f"{c['mean_diff']:+.4f}", f"[{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]", c["verdict"]] for c in claims]
+    rows = [
+        [
+            c["name"],
+            c["metric"],
+            c["arm_a"],
+            c["arm_b"] or "0",
+            EXPECT_TEXT[c["expect"]].format(margin=c["margin"]).replace("b", "b" if c["arm_b"] else "0"),
+            ", ".join(f"{v:.3f}" for v in c["values_a"]),
+            ", ".join(f"{v:.3f}" for v in c["values_b"]),
+            f"{c['mean_diff']:+.4f}",
+            f"[{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]",
+            c["verdict"],
+        ]
+        for c in claims
+    ]
     return "\n".join(lines) + "\n" + reports.markdown_table(columns, rows)
 
 
@@ -376,13 +459,24 @@ def run_study(plan: Plan, plan_path: Path, out: Path) -> list[dict]:
         results = {key: train_and_evaluate(plan, key[0], cfg, out, parent) for key, cfg in configs.items()}
         claims = [claim_result(plan, claim, results) for claim in plan.claims]
         wall_s = time.perf_counter() - tic
-        (out / "study.json").write_text(json.dumps({"plan": plan.name, "confidence": CONFIDENCE,
-                                                    "interval": "Student t over seed-paired differences",
-                                                    "wall_s": wall_s, "claims": claims}, indent=2))
+        (out / "study.json").write_text(
+            json.dumps(
+                {
+                    "plan": plan.name,
+                    "confidence": CONFIDENCE,
+                    "interval": "Student t over seed-paired differences",
+                    "wall_s": wall_s,
+                    "claims": claims,
+                },
+                indent=2,
+            )
+        )
         (out / "results.md").write_text(results_markdown(plan, claims, wall_s))
         reports.claims_png(claims, out / "claims.png", CONFIDENCE)
         metrics = {f"claims/{i}/{k}": c[k] for i, c in enumerate(claims) for k in ("mean_diff", "ci_low", "ci_high")}
-        tracking.log_evaluation(mlflow_uri, metrics, [out / "study.json", out / "results.md", out / "claims.png"], run_id=parent)
+        tracking.log_evaluation(
+            mlflow_uri, metrics, [out / "study.json", out / "results.md", out / "claims.png"], run_id=parent
+        )
     except BaseException:
         tracking.finish_run(mlflow_uri, parent, "FAILED")
         raise

@@ -94,6 +94,7 @@ def runtime_env(working_dir: Path | None, env: list[str], pip: list[str]) -> dic
 
 def follow(client, submission_id: str) -> str:
     """Stream the job's log to stdout until it ends; returns its final status."""
+
     async def tail() -> None:
         async for lines in client.tail_job_logs(submission_id):
             sys.stdout.write(lines)

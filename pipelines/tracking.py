@@ -4,8 +4,8 @@ same run; evaluations into the training run or a run of their own; artifacts; th
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
@@ -18,8 +18,8 @@ def absolute_tracking_uri(uri: str) -> str:
     """`sqlite:///mlflow.db` relative to where the command runs, made absolute so Ray workers
     (other working directories) write to the same store."""
     prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
-        return prefix + str(Path(uri[len(prefix):]).resolve())
+    if uri.startswith(prefix) and not uri[len(prefix) :].startswith("/"):
+        return prefix + str(Path(uri[len(prefix) :]).resolve())
     if "://" not in uri:
         return Path(uri).resolve().as_uri()
     return uri
@@ -40,7 +40,7 @@ def artifact_location(tracking_uri: str) -> str | None:
     """Artifacts of a SQLite store live beside the database, not in ./mlruns of whoever ran first."""
     prefix = "sqlite:///"
     if tracking_uri.startswith(prefix):
-        return (Path(tracking_uri[len(prefix):]).parent / "mlartifacts").as_uri()
+        return (Path(tracking_uri[len(prefix) :]).parent / "mlartifacts").as_uri()
     return None
 
 
@@ -50,17 +50,20 @@ def _params(params: dict) -> list[Param]:
 
 def experiment_id(client: MlflowClient, tracking_uri: str, experiment: str) -> str:
     exp = client.get_experiment_by_name(experiment)
-    return exp.experiment_id if exp else client.create_experiment(
-        experiment, artifact_location=artifact_location(tracking_uri))
+    return (
+        exp.experiment_id
+        if exp
+        else client.create_experiment(experiment, artifact_location=artifact_location(tracking_uri))
+    )
 
 
-def get_or_create_run(tracking_uri: str, experiment: str, run_name: str, params: dict,
-                      parent_run_id: str | None = None) -> str:
+def get_or_create_run(
+    tracking_uri: str, experiment: str, run_name: str, params: dict, parent_run_id: str | None = None
+) -> str:
     """The id of the MLflow run tagged with `run_name` in `experiment`, created if absent."""
     client = MlflowClient(tracking_uri)
     exp_id = experiment_id(client, tracking_uri, experiment)
-    found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'",
-                               max_results=1)
+    found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1)
     if found:
         client.update_run(found[0].info.run_id, status="RUNNING")
         return found[0].info.run_id
@@ -87,7 +90,7 @@ class MetricLogger:
 
     def flush(self) -> None:
         for i in range(0, len(self.pending), 900):  # MLflow caps a batch at 1000 metrics
-            self.client.log_batch(self.run_id, metrics=self.pending[i:i + 900])
+            self.client.log_batch(self.run_id, metrics=self.pending[i : i + 900])
         self.pending = []
 
 
@@ -107,8 +110,14 @@ def log_artifacts(tracking_uri: str, run_id: str, paths: Iterable[Path], artifac
         client.log_artifact(run_id, str(path), artifact_path=artifact_path)
 
 
-def log_evaluation(tracking_uri: str, metrics: dict, artifacts: list[Path], run_id: str | None = None,
-                   run_name: str = "eval", params: dict | None = None) -> str:
+def log_evaluation(
+    tracking_uri: str,
+    metrics: dict,
+    artifacts: list[Path],
+    run_id: str | None = None,
+    run_name: str = "eval",
+    params: dict | None = None,
+) -> str:
     """Metrics and artifacts (under eval/) into run_id, or into a new finished run of mdc-eval.
     Parameters go to new runs only: a training run's parameters are fixed."""
     tracking_uri = absolute_tracking_uri(tracking_uri)
@@ -129,8 +138,9 @@ def kill_children(tracking_uri: str, parent_run_id: str, stopped: set[str]) -> N
     killed before closing the run) and the FAILED ones named in `stopped` (their trainer torn down
     first); a child that failed on its own stays FAILED."""
     client = MlflowClient(tracking_uri)
-    for child in client.search_runs([client.get_run(parent_run_id).info.experiment_id],
-                                    filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'"):
+    for child in client.search_runs(
+        [client.get_run(parent_run_id).info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'"
+    ):
         name = child.data.tags.get(RUN_NAME_TAG)
         if child.info.status == "RUNNING" or (child.info.status == "FAILED" and name in stopped):
             client.set_terminated(child.info.run_id, status="KILLED")

@@ -55,8 +55,14 @@ def storage_for(uri: str, endpoint_url: str | None):
     return str(Path(uri).resolve()), None
 
 
-def run_training(cfg: RunConfig, fault: Fault | None = None, parent_run_id: str | None = None,
-                 callbacks: list | None = None, channel=None, trained_rows_dir: str | None = None) -> TrainSummary:
+def run_training(
+    cfg: RunConfig,
+    fault: Fault | None = None,
+    parent_run_id: str | None = None,
+    callbacks: list | None = None,
+    channel=None,
+    trained_rows_dir: str | None = None,
+) -> TrainSummary:
     """Driver: fails fast on bad inputs, then trains and returns where everything went.
     `parent_run_id` nests the MLflow run under a sweep; `callbacks` go to Ray Train (e.g. Tune's).
     `channel` (a progress.ProgressChannel) is given by a caller that shows several runs at once (a
@@ -78,14 +84,21 @@ def log_training_report(cfg: RunConfig, summary: TrainSummary, reporter: progres
     try:
         with tempfile.TemporaryDirectory() as directory:
             paths = reports.training_report(cfg, summary, Path(directory))
-            tracking.log_artifacts(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id, paths,
-                                   "report")
+            tracking.log_artifacts(
+                tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id, paths, "report"
+            )
     except Exception as err:
         reporter.note(f"no training report: {type(err).__name__}: {err}", warning=True)
 
 
-def _train(cfg: RunConfig, fault: Fault | None, parent_run_id: str | None, callbacks: list | None,
-           channel, trained_rows_dir: str | None = None) -> TrainSummary:
+def _train(
+    cfg: RunConfig,
+    fault: Fault | None,
+    parent_run_id: str | None,
+    callbacks: list | None,
+    channel,
+    trained_rows_dir: str | None = None,
+) -> TrainSummary:
     data = cfg.data
     driver = progress.Reporter(channel, cfg.name, cfg.train.steps)
     driver.note(f"preparing data ({data.train_uri}) and {cfg.train.num_workers} training workers")
@@ -96,16 +109,34 @@ def _train(cfg: RunConfig, fault: Fault | None, parent_run_id: str | None, callb
     resources, datasets = _datasets(cfg, actors, train_shards)
     storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
     run_dir = storage.join(cfg.storage_uri if storage.is_s3(cfg.storage_uri) else storage_path, cfg.name)
-    args = WorkerArgs(cfg, run_dir, mlflow_uri, run_id, channel, resources, fingerprint(train_shards),
-                      len(train_shards), actors, fault, trained_rows_dir)
+    args = WorkerArgs(
+        cfg,
+        run_dir,
+        mlflow_uri,
+        run_id,
+        channel,
+        resources,
+        fingerprint(train_shards),
+        len(train_shards),
+        actors,
+        fault,
+        trained_rows_dir,
+    )
     trainer = TorchTrainer(
-        train_loop, train_loop_config={"args": args},
+        train_loop,
+        train_loop_config={"args": args},
         scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
-            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if cfg.train.use_gpu else {})}),
+            num_workers=cfg.train.num_workers,
+            use_gpu=cfg.train.use_gpu,
+            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if cfg.train.use_gpu else {})},
+        ),
         run_config=ray.train.RunConfig(
-            name=cfg.name, storage_path=storage_path, storage_filesystem=filesystem,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures), callbacks=callbacks),
+            name=cfg.name,
+            storage_path=storage_path,
+            storage_filesystem=filesystem,
+            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+            callbacks=callbacks,
+        ),
         datasets=datasets,
         dataset_config=ray.train.DataConfig(datasets_to_split=["train"]),
         torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
@@ -128,28 +159,64 @@ def _datasets(cfg: RunConfig, actors: IngestActors, train_shards: list[str]) -> 
     ray.data.DataContext.get_current().enable_operator_progress_bars = False  # one bar per dataset
     training_cpus = cfg.train.num_workers * cfg.train.cpus_per_worker
     cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
-    resources = ingest_resources(cluster_cpus, training_cpus, data.ingest_cpus,
-                                 held_cpus=cluster_cpus - ray.available_resources().get("CPU", 0.0))
-    datasets = {"train": build_dataset(data.train_uri, size, data.max_length, actors.bad_records, data.endpoint_url,
-                                       resources, shuffle_seed=cfg.train.seed, subset_fraction=data.subset_fraction,
-                                       subset_salt=data.subset_salt, format=data.format, skips=actors.passed_over,
-                                       files=train_shards)}
+    resources = ingest_resources(
+        cluster_cpus,
+        training_cpus,
+        data.ingest_cpus,
+        held_cpus=cluster_cpus - ray.available_resources().get("CPU", 0.0),
+    )
+    datasets = {
+        "train": build_dataset(
+            data.train_uri,
+            size,
+            data.max_length,
+            actors.bad_records,
+            data.endpoint_url,
+            resources,
+            shuffle_seed=cfg.train.seed,
+            subset_fraction=data.subset_fraction,
+            subset_salt=data.subset_salt,
+            format=data.format,
+            skips=actors.passed_over,
+            files=train_shards,
+        )
+    }
     if data.val_uri:
         n_val = cfg.train.val_batches * cfg.train.batch_size
-        datasets["val"] = build_dataset(data.val_uri, size, data.max_length, actors.bad_records, data.endpoint_url,
-                                        shuffle_seed=None, format=data.format).limit(n_val).materialize()
+        datasets["val"] = (
+            build_dataset(
+                data.val_uri,
+                size,
+                data.max_length,
+                actors.bad_records,
+                data.endpoint_url,
+                shuffle_seed=None,
+                format=data.format,
+            )
+            .limit(n_val)
+            .materialize()
+        )
     return resources, datasets
 
 
-def _finish(cfg: RunConfig, mlflow_uri: str, run_id: str, run_dir: str, bad_records: dict,
-            driver: progress.Reporter) -> TrainSummary:
+def _finish(
+    cfg: RunConfig, mlflow_uri: str, run_id: str, run_dir: str, bad_records: dict, driver: progress.Reporter
+) -> TrainSummary:
     """The bad-record counts said and logged, the MLflow run closed, and where the run ended."""
     if bad_records:
-        driver.note(f"skipped {sum(bad_records.values())} bad records: "
-                    + ", ".join(f"{n} {reason}" for reason, n in sorted(bad_records.items())), warning=True)
-    tracking.log_metrics(mlflow_uri, run_id, {f"skipped/{reason}": n for reason, n in bad_records.items()}
-                         | {"skipped/total": sum(bad_records.values())}, cfg.train.steps)
+        driver.note(
+            f"skipped {sum(bad_records.values())} bad records: "
+            + ", ".join(f"{n} {reason}" for reason, n in sorted(bad_records.items())),
+            warning=True,
+        )
+    tracking.log_metrics(
+        mlflow_uri,
+        run_id,
+        {f"skipped/{reason}": n for reason, n in bad_records.items()} | {"skipped/total": sum(bad_records.values())},
+        cfg.train.steps,
+    )
     tracking.finish_run(mlflow_uri, run_id)
     final = ckpt.checkpoint_dir(run_dir, cfg.train.steps)
-    return TrainSummary(cfg.name, run_id, final, ckpt.read_trainer_state(final, cfg.data.endpoint_url)["metrics"],
-                        bad_records)
+    return TrainSummary(
+        cfg.name, run_id, final, ckpt.read_trainer_state(final, cfg.data.endpoint_url)["metrics"], bad_records
+    )

@@ -69,8 +69,11 @@ def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str, channel)
     summary = run_training(cfg, parent_run_id=parent_run_id, callbacks=[TuneReportCallback()], channel=channel)
     model, _ = load_pretrained(summary.checkpoint_uri, endpoint_url=cfg.data.endpoint_url)
     probe = probe_shapes(model, dataset_root(cfg.data.train_uri), cfg.data.endpoint_url)
-    final = {"probe_accuracy": probe["accuracy"], "val_loss": summary.metrics.get("val_loss"),
-             "loss": summary.metrics.get("loss")}
+    final = {
+        "probe_accuracy": probe["accuracy"],
+        "val_loss": summary.metrics.get("val_loss"),
+        "loss": summary.metrics.get("loss"),
+    }
     logger = tracking.MetricLogger(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id)
     logger.log({k: v for k, v in final.items() if v is not None}, cfg.train.steps)
     logger.flush()
@@ -79,13 +82,21 @@ def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str, channel)
     tune.report({**{k: v for k, v in final.items() if v is not None}, "trial_completed": True})
 
 
-def build_tuner(space: SearchSpace, base_cfg: RunConfig, parent_run_id: str, num_samples: int | None,
-                max_concurrent: int, channel, verbose: bool = False) -> tune.Tuner:
+def build_tuner(
+    space: SearchSpace,
+    base_cfg: RunConfig,
+    parent_run_id: str,
+    num_samples: int | None,
+    max_concurrent: int,
+    channel,
+    verbose: bool = False,
+) -> tune.Tuner:
     base = base_cfg.model_dump()
     sweep = sweep_name(base_cfg, space)
     trainable = tune.with_resources(  # the trial function only drives its trainer: a sliver of CPU
         tune.with_parameters(run_trial, base=base, parent_run_id=parent_run_id, sweep=sweep, channel=channel),
-        {"CPU": 0.05})
+        {"CPU": 0.05},
+    )
     path, filesystem = storage_for(posixpath.join(base_cfg.storage_uri, "sweeps"), base_cfg.data.endpoint_url)
     experiment = posixpath.join(path, sweep)
     if tune.Tuner.can_restore(experiment, storage_filesystem=filesystem):
@@ -96,15 +107,29 @@ def build_tuner(space: SearchSpace, base_cfg: RunConfig, parent_run_id: str, num
     else:
         param_space = {"point": tune.sample_from(lambda _: space.draw(base, random.Random()))}
         samples = num_samples or space.num_samples
-    scheduler = (ASHAScheduler(time_attr="training_iteration", grace_period=space.scheduler.grace_period,
-                               reduction_factor=space.scheduler.reduction_factor, max_t=10_000)
-                 if space.scheduler.type == "asha" else FIFOScheduler())
+    scheduler = (
+        ASHAScheduler(
+            time_attr="training_iteration",
+            grace_period=space.scheduler.grace_period,
+            reduction_factor=space.scheduler.reduction_factor,
+            max_t=10_000,
+        )
+        if space.scheduler.type == "asha"
+        else FIFOScheduler()
+    )
     return tune.Tuner(
-        trainable, param_space=param_space,
-        tune_config=tune.TuneConfig(metric=space.metric, mode=space.mode, num_samples=samples,
-                                    max_concurrent_trials=max_concurrent, scheduler=scheduler),
-        run_config=tune.RunConfig(name=sweep, storage_path=path, storage_filesystem=filesystem,
-                                  verbose=1 if verbose else 0),  # its status tables; our display instead
+        trainable,
+        param_space=param_space,
+        tune_config=tune.TuneConfig(
+            metric=space.metric,
+            mode=space.mode,
+            num_samples=samples,
+            max_concurrent_trials=max_concurrent,
+            scheduler=scheduler,
+        ),
+        run_config=tune.RunConfig(
+            name=sweep, storage_path=path, storage_filesystem=filesystem, verbose=1 if verbose else 0
+        ),  # its status tables; our display instead
     )
 
 
@@ -113,13 +138,18 @@ def results_rows(results: tune.ResultGrid, space: SearchSpace) -> list[dict]:
     for result in results:
         metrics = result.metrics or {}
         point = (result.config or {}).get("point", {})
-        rows.append({"trial_id": metrics.get("trial_id", ""),
-                     **{k: v for k, v in point.items() if k not in space.base},
-                     "iterations": metrics.get("training_iteration", 0),
-                     "stopped_early": not metrics.get("trial_completed", False) and result.error is None,
-                     space.metric: metrics.get(space.metric), space.rank_by: metrics.get(space.rank_by),
-                     "error": first_line_of(result.error)[:300] if result.error else "",
-                     "error_file": posixpath.join(result.path, "error.txt") if result.error else ""})
+        rows.append(
+            {
+                "trial_id": metrics.get("trial_id", ""),
+                **{k: v for k, v in point.items() if k not in space.base},
+                "iterations": metrics.get("training_iteration", 0),
+                "stopped_early": not metrics.get("trial_completed", False) and result.error is None,
+                space.metric: metrics.get(space.metric),
+                space.rank_by: metrics.get(space.rank_by),
+                "error": first_line_of(result.error)[:300] if result.error else "",
+                "error_file": posixpath.join(result.path, "error.txt") if result.error else "",
+            }
+        )
     return rows
 
 
@@ -128,7 +158,9 @@ def write_artifacts(rows: list[dict], space: SearchSpace, directory: Path) -> li
     against the first swept parameter."""
     columns = list(rows[0]) if rows else []
     reports.write_csv(directory / "results.csv", columns, rows)
-    (directory / "results.md").write_text(reports.markdown_table(columns, [[_fmt(r[c]) for c in columns] for r in rows]))
+    (directory / "results.md").write_text(
+        reports.markdown_table(columns, [[_fmt(r[c]) for c in columns] for r in rows])
+    )
     x_key = next(k for k in columns if k not in ("trial_id", "iterations"))
     reports.sweep_png(rows, x_key, (space.rank_by, space.metric), directory / "sweep.png", f"sweep {space.name}")
     return [directory / "results.csv", directory / "results.md", directory / "sweep.png"]
@@ -138,20 +170,32 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def run_sweep(space: SearchSpace, base_cfg: RunConfig, num_samples: int | None = None,
-              max_concurrent: int = 1, verbose: bool = False) -> SweepSummary:
+def run_sweep(
+    space: SearchSpace,
+    base_cfg: RunConfig,
+    num_samples: int | None = None,
+    max_concurrent: int = 1,
+    verbose: bool = False,
+) -> SweepSummary:
     base_cfg = absolute_paths(base_cfg)
     mlflow_uri = tracking.absolute_tracking_uri(base_cfg.mlflow_uri)
     sweep = sweep_name(base_cfg, space)
     parent = tracking.get_or_create_run(
-        mlflow_uri, base_cfg.experiment, f"sweep-{sweep}",
-        {"space": space.model_dump(include={"name", "search", "metric", "mode", "rank_by"}),
-         "base": base_cfg.model_dump()})
+        mlflow_uri,
+        base_cfg.experiment,
+        f"sweep-{sweep}",
+        {
+            "space": space.model_dump(include={"name", "search", "metric", "mode", "rank_by"}),
+            "base": base_cfg.model_dump(),
+        },
+    )
     channel = progress.open_channel()
     with progress.ProgressDisplay(channel, console):
         results = build_tuner(space, base_cfg, parent, num_samples, max_concurrent, channel, verbose).fit()
     rows = results_rows(results, space)
-    tracking.kill_children(mlflow_uri, parent, {trial_run_name(sweep, r["trial_id"]) for r in rows if r["stopped_early"]})
+    tracking.kill_children(
+        mlflow_uri, parent, {trial_run_name(sweep, r["trial_id"]) for r in rows if r["stopped_early"]}
+    )
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_artifacts(rows, space, Path(tmp)) if rows else []
         (Path(tmp) / "space.yaml").write_text(yaml.safe_dump(space.model_dump(), sort_keys=False))
@@ -162,7 +206,9 @@ def run_sweep(space: SearchSpace, base_cfg: RunConfig, num_samples: int | None =
     if best:
         tracking.log_metrics(mlflow_uri, parent, {f"best_{space.rank_by}": best[space.rank_by]})
     tracking.finish_run(mlflow_uri, parent)
-    failures = [(r["trial_id"] or posixpath.basename(posixpath.dirname(r["error_file"])), r["error"], r["error_file"])
-                for r in rows if r["error"]]
+    failures = [
+        (r["trial_id"] or posixpath.basename(posixpath.dirname(r["error_file"])), r["error"], r["error_file"])
+        for r in rows
+        if r["error"]
+    ]
     return SweepSummary(parent, rows, best, [p.name for p in paths], failures)
-

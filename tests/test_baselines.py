@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ConstantNLL
 from torch import nn
 
 from mdc import ddcap
@@ -21,8 +22,6 @@ from mdc.registry import build_model, compute_loss, write_captions
 from mdc.sampling import sample_continuous, sample_masked
 from mdc.train.checkpoint import load_pretrained
 from mdc.train.step import build_optimizer, build_scheduler, train_step
-
-from helpers import ConstantNLL
 
 MASK, PAD, BOS, EOS = 49408, 49409, 49406, 49407
 
@@ -46,6 +45,7 @@ def model_for(*overrides, max_length=8):
 
 
 # ------------------------------------------------------------------------------------ DDCap
+
 
 def test_length_head_target_is_the_number_of_non_pad_tokens():
     assert ddcap.length_targets(captions(), PAD).tolist() == [7, 4, 1]  # classes N − 1 for N = 8, 5, 2
@@ -72,7 +72,7 @@ class FixedLengths(nn.Module):
         self.logits = F.one_hot(torch.tensor(lengths) - 1, max_length).float()
 
     def forward(self, pooled):
-        return self.logits[:len(pooled)]
+        return self.logits[: len(pooled)]
 
 
 @torch.no_grad()
@@ -133,11 +133,14 @@ def test_image_free_training_drops_the_chosen_share_and_trains_the_null_image():
     sqrt(0.3·0.7/4800) ≈ 0.0066 and the tolerance four of them; then a real model's null image trains."""
     uniform = ConstantNLL(16, mask_id=MASK, pad_id=PAD, bos_id=BOS, eos_id=EOS)
     tokens = torch.zeros(4800, 4, dtype=torch.long)
-    _, metrics = masked_diffusion_loss(uniform, None, tokens, "mdc", 0.0, 1.0, image_free_prob=0.3,
-                                       generator=torch.Generator().manual_seed(0))
+    _, metrics = masked_diffusion_loss(
+        uniform, None, tokens, "mdc", 0.0, 1.0, image_free_prob=0.3, generator=torch.Generator().manual_seed(0)
+    )
     assert metrics["image_free_fraction"].item() == pytest.approx(0.3, abs=4 * math.sqrt(0.3 * 0.7 / 4800))
     model, cfg = model_for("objective.image_free_prob=0.3")
-    loss, _ = compute_loss(model, images(120), captions().repeat(40, 1), cfg.objective, torch.Generator().manual_seed(0))
+    loss, _ = compute_loss(
+        model, images(120), captions().repeat(40, 1), cfg.objective, torch.Generator().manual_seed(0)
+    )
     loss.backward()
     assert model.null_image.grad.abs().sum() > 0
 
@@ -154,19 +157,22 @@ def test_guidance_scale_zero_ignores_the_image_and_one_is_plain_sampling():
     model, _ = model_for("objective.image_free_prob=0.2")
     model.eval()
     a, b = images(2, seed=1), images(2, seed=2)
-    assert torch.equal(sample_masked(model, a, length=6, guidance_scale=0.0),
-                       sample_masked(model, b, length=6, guidance_scale=0.0))
+    assert torch.equal(
+        sample_masked(model, a, length=6, guidance_scale=0.0), sample_masked(model, b, length=6, guidance_scale=0.0)
+    )
     assert torch.equal(sample_masked(model, a, length=6, guidance_scale=1.0), sample_masked(model, a, length=6))
     assert not torch.equal(sample_masked(model, a, length=6), sample_masked(model, b, length=6))
 
 
 # ------------------------------------------------------------------------------------- CLIP
 
+
 def test_clip_uses_the_captioners_encoder_and_offers_blocks_to_fsdp():
     clip, _ = model_for("objective.name=clip")
     captioner, _ = model_for()
-    assert {k: v.shape for k, v in clip.encoder.state_dict().items()} == \
-        {k: v.shape for k, v in captioner.encoder.state_dict().items()}
+    assert {k: v.shape for k, v in clip.encoder.state_dict().items()} == {
+        k: v.shape for k, v in captioner.encoder.state_dict().items()
+    }
     assert len(clip.blocks) == len(captioner.blocks) and clip.blocks is clip.text.transformer.resblocks
     pixels = images(2)
     clip.encoder.load_state_dict(captioner.encoder.state_dict())
@@ -193,8 +199,9 @@ def test_clip_scorer_is_cosine_similarity():
 
 def test_clip_loss_falls_and_matches_images_to_their_captions():
     clip, cfg = model_for("objective.name=clip", max_length=16)
-    tokens = torch.from_numpy(CaptionTokenizer(16).encode(["a red circle", "a blue square", "a green triangle",
-                                                           "a yellow star"]))
+    tokens = torch.from_numpy(
+        CaptionTokenizer(16).encode(["a red circle", "a blue square", "a green triangle", "a yellow star"])
+    )
     pixels = images(4, seed=3)
     optimizer = build_optimizer(clip, OptimConfig(lr=1e-3, weight_decay=0.0))
     scheduler = build_scheduler(optimizer, warmup=1, total=60)
@@ -221,6 +228,7 @@ def test_clip_logit_scale_is_clamped_as_a_parameter_and_keeps_its_gradient():
 
 # -------------------------------------------------------------------------- CLIP-Diffusion-LM
 
+
 def test_cdlm_switches_time_conditioning_on():
     model, cfg = model_for("objective.name=cdlm")
     assert cfg.model.time_conditioning and model.time_mlp is not None
@@ -238,8 +246,9 @@ def test_inputs_embeds_path_equals_the_token_path():
     model, _ = model_for()
     model.eval()
     tokens, features = captions(), model.encode(images(3))
-    torch.testing.assert_close(model.decode(tokens, features, inputs_embeds=model.token_embed(tokens)),
-                               model.decode(tokens, features))
+    torch.testing.assert_close(
+        model.decode(tokens, features, inputs_embeds=model.token_embed(tokens)), model.decode(tokens, features)
+    )
 
 
 def test_cdlm_loss_is_mse_on_x0_plus_rounding_cross_entropy():
@@ -252,15 +261,18 @@ def test_cdlm_loss_is_mse_on_x0_plus_rounding_cross_entropy():
     noise = torch.randn(3, 8, model.dim, generator=draws)
     x0 = F.normalize(model.token_embed(tokens), dim=-1) * math.sqrt(model.dim)
     ab = alpha_bar(t)[:, None, None]
-    x0_hat = model.hidden_states(tokens, model.encode(pixels), t=t, inputs_embeds=ab.sqrt() * x0 + (1 - ab).sqrt() * noise)
+    x0_hat = model.hidden_states(
+        tokens, model.encode(pixels), t=t, inputs_embeds=ab.sqrt() * x0 + (1 - ab).sqrt() * noise
+    )
     real = tokens != PAD
     mse = (x0_hat[real] - x0[real]).pow(2).mean()
     ce = F.cross_entropy(model.project(x0_hat[real]), tokens[real])
     assert metrics["mse"].item() == pytest.approx(mse.item(), rel=1e-5)
     assert metrics["rounding_ce"].item() == pytest.approx(ce.item(), rel=1e-5)
     assert loss.item() == pytest.approx((mse + ce).item(), rel=1e-5)
-    assert compute_loss(model, pixels, tokens, cfg.objective, torch.Generator().manual_seed(0))[0].item() == \
-        pytest.approx(loss.item())
+    assert compute_loss(model, pixels, tokens, cfg.objective, torch.Generator().manual_seed(0))[
+        0
+    ].item() == pytest.approx(loss.item())
 
 
 @torch.no_grad()
@@ -281,12 +293,15 @@ def test_cdlm_loss_falls_when_overfitting():
     optimizer = build_optimizer(model, OptimConfig(lr=3e-3, weight_decay=0.0))
     scheduler = build_scheduler(optimizer, warmup=1, total=40)
     generator = torch.Generator().manual_seed(0)
-    losses = [train_step(model, optimizer, scheduler, pixels, tokens, cfg.objective, 1.0, generator)["loss"]
-              for _ in range(40)]
+    losses = [
+        train_step(model, optimizer, scheduler, pixels, tokens, cfg.objective, 1.0, generator)["loss"]
+        for _ in range(40)
+    ]
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
 
 
 # ------------------------------------------------------------------------------------ infilling
+
 
 def test_mask_span_masks_one_contiguous_span_of_real_tokens():
     tokens = captions(10)
@@ -306,8 +321,10 @@ def test_infilling_keeps_the_given_words_and_scores_the_result():
 
     png = io.BytesIO()
     Image.new("RGB", (32, 32), (200, 10, 10)).save(png, format="PNG")
-    data = [CaptionImage(f"k{i}", png.getvalue(), [f"a small red circle to the left of a {w} square", "a red circle"])
-            for i, w in enumerate(["large", "blue"])]
+    data = [
+        CaptionImage(f"k{i}", png.getvalue(), [f"a small red circle to the left of a {w} square", "a red circle"])
+        for i, w in enumerate(["large", "blue"])
+    ]
     result = evaluate_infilling(model, "cmlm", data, ratio=0.2)
     assert 0.0 <= result["bleu4"] <= 1.0 and result["cider"] >= 0.0
     for entry in result["captions"]:
@@ -328,9 +345,23 @@ def test_eval_infill_command_writes_json(shapes_dir, tmp_path):
 
     model, cfg = model_for("objective.name=mdc", max_length=16)
     export_weights(tmp_path / "ckpt", model.state_dict(), dump_config(cfg))
-    result = CliRunner().invoke(app, ["eval", "infill", "--checkpoint", str(tmp_path / "ckpt"), "--data",
-                                      str(shapes_dir / "val"), "--limit", "4", "--mlflow-uri", "",
-                                      "--out", str(tmp_path / "infill.json")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "infill",
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--data",
+            str(shapes_dir / "val"),
+            "--limit",
+            "4",
+            "--mlflow-uri",
+            "",
+            "--out",
+            str(tmp_path / "infill.json"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     written = json.loads((tmp_path / "infill.json").read_text())
     assert written["num_images"] == 4 and {"bleu4", "cider"} <= set(written)
@@ -339,13 +370,19 @@ def test_eval_infill_command_writes_json(shapes_dir, tmp_path):
 
 # ------------------------------------------------------------------------ through the pipeline
 
+
 def samples_and_scores(model, objective):
     pixels = images(2)
     tokens = write_captions(model, pixels, objective, length=6)
     assert tokens.shape == (2, 6) and not (tokens == MASK).any()
     _, score = comp.get_scorer("auto", objective)
-    scores = score(model, pixels, [["a small red circle"] * 2, ["a large blue square"] * 2], samples=2,
-                   generator=torch.Generator().manual_seed(0))
+    scores = score(
+        model,
+        pixels,
+        [["a small red circle"] * 2, ["a large blue square"] * 2],
+        samples=2,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert scores.shape == (2, 2) and torch.isfinite(scores).all()
 
 
@@ -355,10 +392,20 @@ def samples_and_scores(model, objective):
 def test_objective_trains_through_ray_then_samples_and_scores(objective, ray_cluster, shapes_dir, tmp_path):
     from pipelines.train import run_training
 
-    overrides = [f"name=baseline-{objective}", f"storage_uri={tmp_path / 'ckpt'}",
-                 f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"data.train_uri={shapes_dir / 'train'}",
-                 "data.val_uri=null", "data.max_length=16", "train.batch_size=8", "train.num_workers=1",
-                 "train.steps=4", "train.log_every=2", "optim.warmup_steps=1", f"objective.name={objective}"]
+    overrides = [
+        f"name=baseline-{objective}",
+        f"storage_uri={tmp_path / 'ckpt'}",
+        f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"data.train_uri={shapes_dir / 'train'}",
+        "data.val_uri=null",
+        "data.max_length=16",
+        "train.batch_size=8",
+        "train.num_workers=1",
+        "train.steps=4",
+        "train.log_every=2",
+        "optim.warmup_steps=1",
+        f"objective.name={objective}",
+    ]
     if objective == "bert":
         overrides.append("objective.mask_ratio=0.5")
     summary = run_training(load_config(None, overrides))

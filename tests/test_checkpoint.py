@@ -84,8 +84,7 @@ def test_incomplete_and_damaged_checkpoints_are_skipped(tmp_path):
         f"skipped {flipped} (step 6): __0_0.distcp does not match its CRC-32 in {ckpt.MARKER}",
     ]
     Path(good, ckpt.MARKER).write_text("{not json")
-    assert ckpt.newest_complete(run_dir) == (None, skipped + [
-        f"skipped {good} (step 3): {ckpt.MARKER} is unreadable"])
+    assert ckpt.newest_complete(run_dir) == (None, skipped + [f"skipped {good} (step 3): {ckpt.MARKER} is unreadable"])
     assert ckpt.newest_complete(str(tmp_path / "no-such-run")) == (None, [])
 
 
@@ -94,7 +93,7 @@ def test_prune_keeps_newest_complete_and_drops_the_rest(tmp_path):
     state = make_state(0)
     for step in (2, 4, 6, 8):
         save(run_dir, step, state, tmp_path=tmp_path)
-    save(run_dir, 5, state, commit=False, tmp_path=tmp_path)   # interrupted earlier attempt
+    save(run_dir, 5, state, commit=False, tmp_path=tmp_path)  # interrupted earlier attempt
     save(run_dir, 10, state, commit=False, tmp_path=tmp_path)  # from before a resume at 8's step
     ckpt.prune(run_dir, 8, keep=2)
     assert sorted(p.name for p in Path(run_dir).iterdir()) == ["checkpoint_00000006", "checkpoint_00000008"]

@@ -7,7 +7,7 @@ import pytest
 
 CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
 
-SUITE = '''
+SUITE = """
 import pytest
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def test_uses_ray(ray_cluster):
 
 def test_plain():
     pass
-'''
+"""
 
 
 @pytest.fixture

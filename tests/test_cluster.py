@@ -27,11 +27,18 @@ KUBERAY = CLUSTER / "kuberay"
 DOCKERFILE = (CLUSTER / "Dockerfile").read_text()
 PLACEHOLDER = re.compile(r"\$\{([A-Z_][A-Z0-9_]*)\}")
 TEST_VALUES = {
-    "IMAGE": "registry.example.com/mdc:test", "KUBECTL_IMAGE": "registry.example.com/kubectl:test",
-    "BUCKET": "mdc-test-bucket", "DATA": "s3://mdc-test-data/cc3m", "PROBE_DATA": "s3://mdc-test-data/shapes",
+    "IMAGE": "registry.example.com/mdc:test",
+    "KUBECTL_IMAGE": "registry.example.com/kubectl:test",
+    "BUCKET": "mdc-test-bucket",
+    "DATA": "s3://mdc-test-data/cc3m",
+    "PROBE_DATA": "s3://mdc-test-data/shapes",
     "RUN_NAME": "vit-b16-test",
-    "MLFLOW_URI": "http://mlflow.example.com:5000", "GPU_INSTANCE_TYPE": "p4d.24xlarge", "GPU_WORKERS": "1",
-    "HEAD_INSTANCE_TYPE": "m5.2xlarge", "AWS_REGION": "us-west-2", "CPU_WORKERS": "3",
+    "MLFLOW_URI": "http://mlflow.example.com:5000",
+    "GPU_INSTANCE_TYPE": "p4d.24xlarge",
+    "GPU_WORKERS": "1",
+    "HEAD_INSTANCE_TYPE": "m5.2xlarge",
+    "AWS_REGION": "us-west-2",
+    "CPU_WORKERS": "3",
     "CPU_INSTANCE_TYPE": "c6i.8xlarge",
 }
 INSTANCE_TYPES = yaml.safe_load((CLUSTER / "instance-types.yaml").read_text())
@@ -54,6 +61,7 @@ def derived(values: dict) -> dict:
     out["GPU_POD_GPUS"] = str(INSTANCE_TYPES[values["GPU_INSTANCE_TYPE"]]["gpus"])
     out["TRAIN_WORKERS"] = str(int(values["GPU_WORKERS"]) * int(out["GPU_POD_GPUS"]))
     return out
+
 
 YAMLS = sorted(CLUSTER.rglob("*.yaml"))
 TEMPLATES = [p for p in YAMLS if PLACEHOLDER.search(p.read_text())]
@@ -83,8 +91,10 @@ def scheduled_rayjob() -> dict:
 
 
 def rayjobs() -> dict[str, dict]:
-    return {"rayjob-pretrain.yaml": by_kind(load(KUBERAY / "rayjob-pretrain.yaml"))["RayJob"],
-            "scaling-cronjob.yaml (ConfigMap)": scheduled_rayjob()}
+    return {
+        "rayjob-pretrain.yaml": by_kind(load(KUBERAY / "rayjob-pretrain.yaml"))["RayJob"],
+        "scaling-cronjob.yaml (ConfigMap)": scheduled_rayjob(),
+    }
 
 
 def repo_path(path: str) -> Path:
@@ -93,6 +103,7 @@ def repo_path(path: str) -> Path:
 
 
 # ----------------------------------------------------------------------------------------- files
+
 
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: str(p.relative_to(CLUSTER)))
 def test_every_yaml_parses_after_rendering(path):
@@ -142,12 +153,19 @@ def test_dockerfile_has_python_checks():
 @pytest.mark.parametrize("check", DOCKER_CHECKS)
 def test_dockerfile_python_checks_run_in_the_project_env(check):
     """What the image build runs after `pip install -e .`, run here against this checkout."""
-    out = subprocess.run([sys.executable, "-c", shlex.split(check)[0]], cwd=REPO, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", shlex.split(check)[0]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     assert out.returncode == 0, f"cluster/Dockerfile: python -c {check} fails: {out.stderr.strip().splitlines()[-1:]}"
 
 
 # ----------------------------------------------------------------------------- pods fit their nodes
+
 
 def pods(doc: dict):
     """(where, node type, container) of every Ray pod a rendered KubeRay file asks for."""
@@ -200,8 +218,11 @@ def test_training_workers_are_one_per_gpu_and_fit_the_gpu_pod(where, gpu_type):
     docs = by_kind([d for d in yaml.safe_load_all(render(path.read_text(), values)) if d])
     job = docs["RayJob"] if "RayJob" in docs else yaml.safe_load(docs["ConfigMap"]["data"]["rayjob.yaml"])
     tokens = shlex.split(job["spec"]["entrypoint"])
-    workers = int(tokens[tokens.index("--num-workers") + 1]) if "--num-workers" in tokens else \
-        int(next(t for t in tokens if t.startswith("train.num_workers=")).split("=")[1])
+    workers = (
+        int(tokens[tokens.index("--num-workers") + 1])
+        if "--num-workers" in tokens
+        else int(next(t for t in tokens if t.startswith("train.num_workers=")).split("=")[1])
+    )
     sizes = derived(values)
     assert workers == int(values["GPU_WORKERS"]) * INSTANCE_TYPES[gpu_type]["gpus"]
     config = load_config(repo_path(tokens[tokens.index("--config") + 1]))
@@ -210,6 +231,7 @@ def test_training_workers_are_one_per_gpu_and_fit_the_gpu_pod(where, gpu_type):
 
 
 # --------------------------------------------------------------------------------------- KubeRay
+
 
 def check_ray_cluster_spec(spec: dict, where: str) -> None:
     """The RayClusterSpec fields KubeRay needs, one GPU worker group, one fixed CPU-only group for
@@ -222,25 +244,30 @@ def check_ray_cluster_spec(spec: dict, where: str) -> None:
     gpu_groups, cpu_groups = [], []
     for name, group in groups:
         params = group["rayStartParams"]
-        assert isinstance(params, dict) and all(isinstance(v, str) for v in params.values()), \
+        assert isinstance(params, dict) and all(isinstance(v, str) for v in params.values()), (
             f"{where}: {name}.rayStartParams must map to strings"
+        )
         containers = group["template"]["spec"]["containers"]
         assert containers, f"{where}: {name} has no containers"
         for container in containers:
             assert container["name"] and container["image"] == TEST_VALUES["IMAGE"], f"{where}: {name} image"
-            assert container["resources"]["limits"] and container["resources"]["requests"], \
+            assert container["resources"]["limits"] and container["resources"]["requests"], (
                 f"{where}: {name} needs resources.limits and resources.requests"
+            )
             if "nvidia.com/gpu" in container["resources"]["limits"]:
                 gpu_groups.append(name)
                 assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
             elif name != "headGroupSpec":
                 cpu_groups.append(name)
                 assert int(container["resources"]["requests"]["cpu"]) >= 16, f"{where}: {name}: cores for decoding"
-                assert group["minReplicas"] == int(TEST_VALUES["CPU_WORKERS"]), f"{where}: {name} starts with the cluster"
+                assert group["minReplicas"] == int(TEST_VALUES["CPU_WORKERS"]), (
+                    f"{where}: {name} starts with the cluster"
+                )
         if name != "headGroupSpec":
             counts = [group["minReplicas"], group["replicas"], group["maxReplicas"]]
-            assert all(isinstance(n, int) for n in counts) and counts == sorted(counts), \
+            assert all(isinstance(n, int) for n in counts) and counts == sorted(counts), (
                 f"{where}: {name}: minReplicas <= replicas <= maxReplicas, got {counts}"
+            )
     assert gpu_groups and "headGroupSpec" not in gpu_groups, f"{where}: GPUs belong to a worker group"
     assert len(cpu_groups) == 1, f"{where}: one CPU-only worker group for Ray Data, got {cpu_groups}"
 
@@ -291,6 +318,7 @@ def test_cronjob_creates_the_rayjob_with_just_enough_rights():
 
 # ------------------------------------------------------------------------------ cluster launcher
 
+
 def test_aws_cluster_launcher_config_matches_rays_schema():
     [config] = load(CLUSTER / "aws" / "cluster.yaml")
     schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
@@ -309,6 +337,7 @@ def test_aws_cluster_launcher_config_matches_rays_schema():
 
 
 # -------------------------------------------------------------------------- agreement with the CLI
+
 
 def cli_options(command: str) -> set[str]:
     click_command = typer.main.get_command(app).commands[command]

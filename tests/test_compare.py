@@ -8,15 +8,30 @@ from pipelines import tracking
 from pipelines.cli import app
 from pipelines.compare import COLUMNS, run_compare
 
-TINY = ["data.max_length=16", "train.batch_size=8", "train.num_workers=1", "train.steps=4", "train.log_every=4",
-        "train.checkpoint_every=4", "optim.warmup_steps=1"]
+TINY = [
+    "data.max_length=16",
+    "train.batch_size=8",
+    "train.num_workers=1",
+    "train.steps=4",
+    "train.log_every=4",
+    "train.checkpoint_every=4",
+    "optim.warmup_steps=1",
+]
 
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_compare_trains_both_and_writes_one_table(ray_cluster, shapes_dir, tmp_path):
-    rows = run_compare(["clip", "cdlm"], tmp_path, data_uri=str(shapes_dir), overrides=TINY, name="ci-compare",
-                       caption_length=8, limit=8, samples=2)
+    rows = run_compare(
+        ["clip", "cdlm"],
+        tmp_path,
+        data_uri=str(shapes_dir),
+        overrides=TINY,
+        name="ci-compare",
+        caption_length=8,
+        limit=8,
+        samples=2,
+    )
 
     clip, cdlm = rows
     assert (clip.objective, cdlm.objective) == ("clip", "cdlm")
@@ -33,13 +48,16 @@ def test_compare_trains_both_and_writes_one_table(ray_cluster, shapes_dir, tmp_p
     assert "n/a" in markdown[4] and "<td>cdlm</td>" in (tmp_path / "compare.html").read_text()
 
     client = MlflowClient(tracking.absolute_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"))
-    [parent] = client.search_runs([client.get_experiment_by_name("mdc").experiment_id],
-                                  filter_string="tags.`mdc.run_name` = 'ci-compare'")
+    [parent] = client.search_runs(
+        [client.get_experiment_by_name("mdc").experiment_id], filter_string="tags.`mdc.run_name` = 'ci-compare'"
+    )
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["cdlm/bleu4"] == pytest.approx(cdlm.bleu4)
     assert parent.data.metrics["clip/probe_accuracy"] == pytest.approx(clip.probe_accuracy)
-    assert {a.path for a in client.list_artifacts(parent.info.run_id, "eval")} == {"eval/compare.md",
-                                                                                  "eval/compare.html"}
+    assert {a.path for a in client.list_artifacts(parent.info.run_id, "eval")} == {
+        "eval/compare.md",
+        "eval/compare.html",
+    }
     for row in rows:
         child = client.get_run(row.mlflow_run_id)
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id

@@ -15,8 +15,9 @@ def test_defaults_are_the_demo_config():
 def test_yaml_file_then_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("name: sweep-a\nobjective:\n  name: cmlm\n  omega_l: 0.2\ntrain:\n  batch_size: 8\n")
-    cfg = load_config(path, ["objective.omega_l=0.7", "train.steps=5", "model.time_conditioning=true",
-                             "data.val_uri=null"])
+    cfg = load_config(
+        path, ["objective.omega_l=0.7", "train.steps=5", "model.time_conditioning=true", "data.val_uri=null"]
+    )
     assert cfg.name == "sweep-a"
     assert cfg.objective.name == "cmlm"
     assert cfg.objective.omega_l == 0.7  # the override beats the file
@@ -38,13 +39,16 @@ def test_schedule_order_is_checked():
         load_config(None, ["objective.omega_l=0.7", "objective.omega_u=0.5"])
 
 
-@pytest.mark.parametrize("override, field", [
-    ("model.foo=1", "model.foo"),
-    ("train.batch_size=0", "train.batch_size"),
-    ("objective.omega_u=1.5", "objective.omega_u"),
-    ("objective.name=gan", "objective.name"),
-    ("model.preset=vit_h14", "model.preset"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("model.foo=1", "model.foo"),
+        ("train.batch_size=0", "train.batch_size"),
+        ("objective.omega_u=1.5", "objective.omega_u"),
+        ("objective.name=gan", "objective.name"),
+        ("model.preset=vit_h14", "model.preset"),
+    ],
+)
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])

@@ -34,8 +34,7 @@ def test_missing_data_folder_is_one_line_and_exit_2_before_ray(tmp_path):
     assert "Traceback" not in result.output and "Ray's own output" not in result.output
 
 
-@pytest.mark.parametrize("extra, expected_val", [([], None), (["--val", "VAL"], "VAL"),
-                                                  (["data.val_uri=VAL"], "VAL")])
+@pytest.mark.parametrize("extra, expected_val", [([], None), (["--val", "VAL"], "VAL"), (["data.val_uri=VAL"], "VAL")])
 def test_data_without_val_trains_without_the_configs_validation_split(tmp_path, monkeypatch, extra, expected_val):
     """`--data X` alone must not validate on the demo config's runs/shapes/val (absent here)."""
     import pipelines.train
@@ -64,9 +63,17 @@ def test_bad_config_value_names_the_field(tmp_path):
 
 def test_relative_paths_become_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = runtime.absolute_paths(load_config(None, [
-        "data.train_uri=shapes/train", "data.val_uri=shapes/val", "storage_uri=runs",
-        "mlflow_uri=sqlite:///mlflow.db"]))
+    cfg = runtime.absolute_paths(
+        load_config(
+            None,
+            [
+                "data.train_uri=shapes/train",
+                "data.val_uri=shapes/val",
+                "storage_uri=runs",
+                "mlflow_uri=sqlite:///mlflow.db",
+            ],
+        )
+    )
     assert cfg.data.train_uri == str(tmp_path / "shapes" / "train")
     assert cfg.data.val_uri == str(tmp_path / "shapes" / "val")
     assert cfg.storage_uri == str(tmp_path / "runs")
@@ -100,8 +107,10 @@ def test_stale_current_cluster_file_starts_a_local_instance(monkeypatch, capsys)
 
 
 def test_every_run_failed_exits_1_with_the_first_error(capsys):
-    failures = [("sweep-a", "StorageError: data.val_uri: does not exist: /x", "/s/a/error.txt"),
-                ("sweep-b", "StorageError: data.val_uri: does not exist: /y", "/s/b/error.txt")]
+    failures = [
+        ("sweep-a", "StorageError: data.val_uri: does not exist: /x", "/s/a/error.txt"),
+        ("sweep-b", "StorageError: data.val_uri: does not exist: /y", "/s/b/error.txt"),
+    ]
     with pytest.raises(typer.Exit) as stop:
         report_failures("trial", 2, failures)
     assert stop.value.exit_code == 1
@@ -128,14 +137,20 @@ def test_display_prints_logged_steps_notes_and_one_data_wait_warning():
     buf = io.StringIO()
     display = ProgressDisplay(None, Console(file=buf, width=200))
     step = {"run": "r", "kind": "step", "total": 40}
-    display._show([
-        {**step, "step": 1, "metrics": {"loss": 9.0, "lr": 1e-4}, "logged": True},
-        {**step, "step": 2, "metrics": {"loss": 8.5}, "logged": False},
-        {**step, "step": 10, "metrics": {"loss": 7.25, "images_per_s": 12.0, "data_wait_fraction": 0.3},
-         "logged": True},
-        {**step, "step": 20, "metrics": {"loss": 6.5, "data_wait_fraction": 0.4}, "logged": True},
-        {"run": "r", "kind": "note", "text": "checkpoint at step 20", "warning": False},
-    ])
+    display._show(
+        [
+            {**step, "step": 1, "metrics": {"loss": 9.0, "lr": 1e-4}, "logged": True},
+            {**step, "step": 2, "metrics": {"loss": 8.5}, "logged": False},
+            {
+                **step,
+                "step": 10,
+                "metrics": {"loss": 7.25, "images_per_s": 12.0, "data_wait_fraction": 0.3},
+                "logged": True,
+            },
+            {**step, "step": 20, "metrics": {"loss": 6.5, "data_wait_fraction": 0.4}, "logged": True},
+            {"run": "r", "kind": "note", "text": "checkpoint at step 20", "warning": False},
+        ]
+    )
     lines = buf.getvalue().splitlines()
     assert lines[0] == "r step 1/40  loss 9.0000  lr 1.00e-04"
     assert [line for line in lines if "step 2/" in line] == []
@@ -157,8 +172,9 @@ def test_a_failed_run_is_one_line_exit_1_with_its_traceback_in_the_log(tmp_path,
         raise MemoryError_("8 worker(s) were killed due to the node running low on memory.\nMemory on the node ...")
     assert stop.value.exit_code == 1
     out = buf.getvalue().strip().splitlines()
-    assert out[-1] == (f"error: MemoryError_: 8 worker(s) were killed due to the node running low on memory. "
-                       f"(traceback in {log})")
+    assert out[-1] == (
+        f"error: MemoryError_: 8 worker(s) were killed due to the node running low on memory. (traceback in {log})"
+    )
     assert "Traceback (most recent call last)" in log.read_text()
 
 
@@ -173,17 +189,33 @@ def test_ray_output_goes_to_the_log_and_mdc_lines_to_the_console_once(tmp_path, 
 
     log = tmp_path / "run" / "ray.log"
     with runtime.ray_output_to(log):
-        ray_worker.print_to_stdstream({"pid": "raylet", "is_err": False, "lines": [
-            "WARNING: 8 PYTHON worker processes have been started"]}, ignore_prefix=False)
-        ray_worker.print_to_stdstream({"pid": 7, "is_err": False, "actor_name": "RayTrainWorker", "lines": [
-            "Reporting training result 1", "[mdc] resuming from checkpoint_00000004", "[mdc] resuming from "
-            "checkpoint_00000004"]}, ignore_prefix=False)
+        ray_worker.print_to_stdstream(
+            {"pid": "raylet", "is_err": False, "lines": ["WARNING: 8 PYTHON worker processes have been started"]},
+            ignore_prefix=False,
+        )
+        ray_worker.print_to_stdstream(
+            {
+                "pid": 7,
+                "is_err": False,
+                "actor_name": "RayTrainWorker",
+                "lines": [
+                    "Reporting training result 1",
+                    "[mdc] resuming from checkpoint_00000004",
+                    "[mdc] resuming from checkpoint_00000004",
+                ],
+            },
+            ignore_prefix=False,
+        )
         logging.getLogger("ray.data").info("Starting execution of Dataset train_1")
         os.write(2, b"[2026-12-01 E 1 1] core_worker.cc:2465: Actor with class name\n")
         console = capfd.readouterr()
     assert console.out.splitlines() == ["resuming from checkpoint_00000004"] and console.err == ""
     text = log.read_text()
-    for line in ("PYTHON worker processes", "(RayTrainWorker pid=7) Reporting training result 1",
-                 "Starting execution of Dataset", "core_worker.cc"):
+    for line in (
+        "PYTHON worker processes",
+        "(RayTrainWorker pid=7) Reporting training result 1",
+        "Starting execution of Dataset",
+        "core_worker.cc",
+    ):
         assert line in text
     assert ray_worker.print_to_stdstream.__name__ == "print_to_stdstream"  # put back

@@ -18,7 +18,9 @@ CAPTION = re.compile(rf"^{OBJECT}(?: (to the left of|above) {OBJECT})?$")
 
 def test_shapes_are_deterministic_from_the_seed():
     a, b = shapes.generate_shapes(30, seed=1), shapes.generate_shapes(30, seed=1)
-    assert [(r.key, r.image, r.caption, r.negatives) for r in a] == [(r.key, r.image, r.caption, r.negatives) for r in b]
+    assert [(r.key, r.image, r.caption, r.negatives) for r in a] == [
+        (r.key, r.image, r.caption, r.negatives) for r in b
+    ]
     c = shapes.generate_shapes(30, seed=2)
     assert [r.caption for r in a] != [r.caption for r in c]
     assert shapes.make_shape(17, seed=1).image == a[17].image  # any record can be rebuilt alone
@@ -39,9 +41,11 @@ def test_shapes_captions_labels_and_negatives():
         size1, colour1, shape1, relation, size2, colour2, shape2 = m.groups()
         assert colour1 != colour2 and relation == r.relation
         assert r.negatives[shapes.RELATION_SWAP] == (
-            f"a {size2} {colour2} {shape2} {relation} a {size1} {colour1} {shape1}")
+            f"a {size2} {colour2} {shape2} {relation} a {size1} {colour1} {shape1}"
+        )
         assert r.negatives[shapes.ATTRIBUTE_SWAP] == (
-            f"a {size1} {colour2} {shape1} {relation} a {size2} {colour1} {shape2}")
+            f"a {size1} {colour2} {shape1} {relation} a {size2} {colour1} {shape2}"
+        )
 
 
 def test_one_object_shapes_have_four_token_captions_and_no_pairs(tmp_path):
@@ -50,8 +54,9 @@ def test_one_object_shapes_have_four_token_captions_and_no_pairs(tmp_path):
     one, two = shapes.generate_shapes(60, seed=0), [shapes.make_shape(i, 0, max_objects=1) for i in range(60)]
     assert all(len(r.objects) == 1 and r.negatives == {} and len(r.caption.split()) == 4 for r in two)
     assert all(b.image == a.image for a, b in zip(one, two) if len(a.objects) == 1)
-    assert [a.objects[0].shape for a in one if len(a.objects) == 1] == \
-        [b.objects[0].shape for a, b in zip(one, two) if len(a.objects) == 1]
+    assert [a.objects[0].shape for a in one if len(a.objects) == 1] == [
+        b.objects[0].shape for a, b in zip(one, two) if len(a.objects) == 1
+    ]
     manifest = shapes.write_shapes_dataset(str(tmp_path), num=40, seed=0, max_objects=1)
     assert manifest["max_objects"] == 1 and manifest["compositionality"]["num_pairs"] == 0
 
@@ -74,7 +79,9 @@ def test_shapes_pixels_match_the_caption():
         assert expected, (r.caption, (x1, y1), (x2, y2))
         a, b = r.objects
         if a.size != b.size:
-            area = {o.size: (np.abs(img.astype(int) - shapes.COLOURS[o.colour]).sum(axis=2) < 30).sum() for o in r.objects}
+            area = {
+                o.size: (np.abs(img.astype(int) - shapes.COLOURS[o.colour]).sum(axis=2) < 30).sum() for o in r.objects
+            }
             assert area["large"] > area["small"]
 
 
@@ -108,8 +115,16 @@ def test_write_shapes_dataset(tmp_path):
     assert comp["aro_vg_relation"].endswith("visual_genome_relation.json")
     assert len(relation) == len(val_pairs)
     for item, r in zip(relation, val_pairs):
-        assert {"image_path", "true_caption", "false_caption", "relation_name",
-                "bbox_x", "bbox_y", "bbox_w", "bbox_h"} <= item.keys()
+        assert {
+            "image_path",
+            "true_caption",
+            "false_caption",
+            "relation_name",
+            "bbox_x",
+            "bbox_y",
+            "bbox_w",
+            "bbox_h",
+        } <= item.keys()
         assert (item["true_caption"], item["false_caption"]) == (r.caption, r.negatives[shapes.RELATION_SWAP])
         assert item["relation_name"] == r.relation
         assert (item["bbox_x"], item["bbox_y"], item["bbox_w"], item["bbox_h"]) == (0, 0, 64, 64)
@@ -138,6 +153,7 @@ def test_write_shapes_dataset_parquet(tmp_path):
 
 # --------------------------------------------------------------------------------------- tuxpaint
 
+
 def test_tuxpaint_converter_on_a_small_tree(tmp_path):
     root = tmp_path / "stamps"
     (root / "animals" / "cats").mkdir(parents=True)
@@ -157,8 +173,12 @@ def test_tuxpaint_converter_on_a_small_tree(tmp_path):
     manifest = tuxpaint.write_tuxpaint_dataset(str(tmp_path / "out"), root=str(root), val_fraction=0.0)
     assert manifest["class_names"] == ["animals", "food"]
     assert manifest["num_samples"] == 1 and manifest["splits"]["val"]["num_samples"] == 0
-    assert manifest["skipped"] == {shards.MISSING_CAPTION: 1, shards.NON_UTF8_CAPTION: 1,
-                                   shards.EMPTY_CAPTION: 1, shards.UNDECODABLE_IMAGE: 1}
+    assert manifest["skipped"] == {
+        shards.MISSING_CAPTION: 1,
+        shards.NON_UTF8_CAPTION: 1,
+        shards.EMPTY_CAPTION: 1,
+        shards.UNDECODABLE_IMAGE: 1,
+    }
     (sample,) = shards.read_shards(str(tmp_path / "out" / "train"))
     assert sample.key == "animals_cats_cat" and sample.caption == "A cat."
     assert sample.meta["label_name"] == "animals" and sample.meta["label"] == 0
@@ -168,8 +188,10 @@ def test_tuxpaint_converter_on_a_small_tree(tmp_path):
     assert img[10, 5, 0] > 180 and img[10, 5, 1] < 40
 
 
-@pytest.mark.skipif(not os.path.isdir(tuxpaint.DEFAULT_ROOT),
-                    reason=f"Debian package tuxpaint-stamps-default not installed ({tuxpaint.DEFAULT_ROOT} missing)")
+@pytest.mark.skipif(
+    not os.path.isdir(tuxpaint.DEFAULT_ROOT),
+    reason=f"Debian package tuxpaint-stamps-default not installed ({tuxpaint.DEFAULT_ROOT} missing)",
+)
 def test_tuxpaint_converter_on_the_installed_package(tmp_path):
     out = str(tmp_path / "tux")
     manifest = tuxpaint.write_tuxpaint_dataset(out, max_size=64, format="parquet")

@@ -35,10 +35,21 @@ def test_ray_batch_inference_matches_the_local_loop(ray_cluster, checkpoint, sha
     model, _ = load_pretrained(checkpoint)
     shapes = readers.read_split("shapes", str(shapes_dir), "train")
     split = readers.Split(shapes.name, shapes.sources[:48], shapes.labels[:48], shapes.class_names)
-    arrays = readers.Split("arrays/test", np.random.default_rng(0).integers(0, 256, (20, 28, 28), dtype=np.uint8),
-                           np.zeros(20, np.int64), ["x"])
-    extractor = Extractor(model, functools.partial(checkpoint_model, str(checkpoint)), "ckpt", str(shapes_dir),
-                          batch_size=16, ray_threshold=1, cache_dir=tmp_path)
+    arrays = readers.Split(
+        "arrays/test",
+        np.random.default_rng(0).integers(0, 256, (20, 28, 28), dtype=np.uint8),
+        np.zeros(20, np.int64),
+        ["x"],
+    )
+    extractor = Extractor(
+        model,
+        functools.partial(checkpoint_model, str(checkpoint)),
+        "ckpt",
+        str(shapes_dir),
+        batch_size=16,
+        ray_threshold=1,
+        cache_dir=tmp_path,
+    )
     for data in (split, arrays):  # encoded bytes, then uint8 arrays
         expected = probe.extract_features(model, data.sources, batch_size=64)
         np.testing.assert_allclose(extractor(data), expected, rtol=1e-4, atol=1e-5)
@@ -54,14 +65,62 @@ def invoke(*args: str):
 def test_every_command_writes_json_and_logs_to_mlflow(checkpoint, shapes_dir, tmp_path):
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     common = ["--checkpoint", str(checkpoint), "--mlflow-uri", mlflow_uri]
-    invoke("probe", *common, "--dataset", "shapes", "--root", str(shapes_dir), "--cache-dir", str(tmp_path / "cache"),
-           "--out", str(tmp_path / "probe.json"))
-    invoke("zeroshot", *common, "--dataset", "shapes", "--root", str(shapes_dir), "--limit", "4", "--samples", "2",
-           "--template", "a {}", "--template", "a red {}", "--out", str(tmp_path / "zeroshot.json"))
-    invoke("compositionality", *common, "--benchmark", "sugarcrepe", "--root", str(shapes_dir / "compositionality"),
-           "--samples", "2", "--limit", "4", "--out", str(tmp_path / "sugarcrepe.json"))
-    invoke("captions", *common, "--data", str(shapes_dir / "val"), "--lengths", "4,8,20", "--limit", "3",
-           "--out", str(tmp_path / "captions.json"))
+    invoke(
+        "probe",
+        *common,
+        "--dataset",
+        "shapes",
+        "--root",
+        str(shapes_dir),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(tmp_path / "probe.json"),
+    )
+    invoke(
+        "zeroshot",
+        *common,
+        "--dataset",
+        "shapes",
+        "--root",
+        str(shapes_dir),
+        "--limit",
+        "4",
+        "--samples",
+        "2",
+        "--template",
+        "a {}",
+        "--template",
+        "a red {}",
+        "--out",
+        str(tmp_path / "zeroshot.json"),
+    )
+    invoke(
+        "compositionality",
+        *common,
+        "--benchmark",
+        "sugarcrepe",
+        "--root",
+        str(shapes_dir / "compositionality"),
+        "--samples",
+        "2",
+        "--limit",
+        "4",
+        "--out",
+        str(tmp_path / "sugarcrepe.json"),
+    )
+    invoke(
+        "captions",
+        *common,
+        "--data",
+        str(shapes_dir / "val"),
+        "--lengths",
+        "4,8,20",
+        "--limit",
+        "3",
+        "--out",
+        str(tmp_path / "captions.json"),
+    )
 
     probe_result = json.loads((tmp_path / "probe.json").read_text())
     assert {"accuracy", "random_init_accuracy", "best_c", "val_accuracy"} <= set(probe_result)
@@ -81,16 +140,36 @@ def test_every_command_writes_json_and_logs_to_mlflow(checkpoint, shapes_dir, tm
     assert metrics["eval/probe/shapes/accuracy"] == pytest.approx(probe_result["accuracy"])
     assert {"eval/sugarcrepe/macro", "eval/captions/N8/cider", "eval/zeroshot/shapes/accuracy"} <= set(metrics)
     captions_run = next(r for r in runs if "eval/captions/N4/bleu4" in r.data.metrics)
-    assert {a.path for a in client.list_artifacts(captions_run.info.run_id, "eval")} == \
-        {"eval/captions.json", "eval/report.html"}
+    assert {a.path for a in client.list_artifacts(captions_run.info.run_id, "eval")} == {
+        "eval/captions.json",
+        "eval/report.html",
+    }
 
 
 def test_results_go_into_the_training_run_with_run_id(checkpoint, shapes_dir, tmp_path):
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id = tracking.get_or_create_run(tracking.absolute_tracking_uri(mlflow_uri), "mdc", "train-run", {"lr": 1})
-    invoke("compositionality", "--checkpoint", str(checkpoint), "--mlflow-uri", mlflow_uri, "--run-id", run_id,
-           "--benchmark", "aro", "--root", str(shapes_dir / "compositionality"), "--scorer", "heuristic",
-           "--normalize", "token", "--limit", "2", "--out", str(tmp_path / "aro.json"))
+    invoke(
+        "compositionality",
+        "--checkpoint",
+        str(checkpoint),
+        "--mlflow-uri",
+        mlflow_uri,
+        "--run-id",
+        run_id,
+        "--benchmark",
+        "aro",
+        "--root",
+        str(shapes_dir / "compositionality"),
+        "--scorer",
+        "heuristic",
+        "--normalize",
+        "token",
+        "--limit",
+        "2",
+        "--out",
+        str(tmp_path / "aro.json"),
+    )
     run = MlflowClient(tracking.absolute_tracking_uri(mlflow_uri)).get_run(run_id)
     assert {"eval/aro/vg_relation", "eval/aro/vg_relation/blind", "eval/aro/macro"} <= set(run.data.metrics)
     assert json.loads((tmp_path / "aro.json").read_text())["normalize"] == "token"
@@ -98,8 +177,21 @@ def test_results_go_into_the_training_run_with_run_id(checkpoint, shapes_dir, tm
 
 def test_a_missing_field_fails_with_the_file_and_field(checkpoint, tmp_path):
     (tmp_path / "swap_obj.json").write_text(json.dumps({"0": {"filename": "a.jpg", "caption": "a cat"}}))
-    result = CliRunner().invoke(app, ["eval", "compositionality", "--checkpoint", str(checkpoint), "--benchmark",
-                                      "sugarcrepe", "--root", str(tmp_path), "--mlflow-uri", ""])
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "compositionality",
+            "--checkpoint",
+            str(checkpoint),
+            "--benchmark",
+            "sugarcrepe",
+            "--root",
+            str(tmp_path),
+            "--mlflow-uri",
+            "",
+        ],
+    )
     assert result.exit_code == 2
     assert "swap_obj.json: item '0': missing field 'negative_caption'" in " ".join(result.output.split())
 
@@ -129,5 +221,10 @@ def test_shapes_compositionality_from_a_bucket(s3_server, checkpoint):
     model, _ = load_pretrained(checkpoint)
     result = evaluate_shapes(model, "mdc", f"{bucket}/shapes", s3_server.endpoint_url, "heuristic", limit=2)
     assert result["scorer"] == "heuristic"
-    assert set(result["accuracy"]) == {"aro/vg_relation", "aro/vg_attribution", "sugarcrepe/swap_obj", "sugarcrepe/swap_att"}
+    assert set(result["accuracy"]) == {
+        "aro/vg_relation",
+        "aro/vg_attribution",
+        "sugarcrepe/swap_obj",
+        "sugarcrepe/swap_att",
+    }
     assert result["num_items"]["aro/vg_relation"] > 0

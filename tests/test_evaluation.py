@@ -18,9 +18,8 @@ import torch
 from PIL import Image
 
 from mdc.data import shards
-from mdc.evaluation import captioning
+from mdc.evaluation import captioning, probe, readers, zeroshot
 from mdc.evaluation import compositionality as comp
-from mdc.evaluation import probe, readers, zeroshot
 from mdc.evaluation.readers import DatasetFormatError
 from pipelines import reports
 
@@ -39,6 +38,7 @@ def write_image(path: Path, colour=(255, 0, 0), size=8) -> Path:
 
 # ------------------------------------------------------------------------------ dataset readers
 
+
 def cifar_pixels(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, 3072), dtype=np.uint8)
 
@@ -53,8 +53,15 @@ def test_cifar10_reads_the_python_batches_and_names_a_missing_one(tmp_path):
     base = tmp_path / "cifar-10-batches-py"
     write_pickle(base / "batches.meta", {"label_names": ["airplane", "automobile", "bird"], "num_cases_per_batch": 2})
     for i in range(1, 6):
-        write_pickle(base / f"data_batch_{i}", {"data": cifar_pixels(2, i), "labels": [i % 3, (i + 1) % 3],
-                                               "batch_label": "training batch", "filenames": ["a", "b"]})
+        write_pickle(
+            base / f"data_batch_{i}",
+            {
+                "data": cifar_pixels(2, i),
+                "labels": [i % 3, (i + 1) % 3],
+                "batch_label": "training batch",
+                "filenames": ["a", "b"],
+            },
+        )
     test_data = cifar_pixels(3, 0)
     write_pickle(base / "test_batch", {"data": test_data, "labels": [2, 1, 0]})
 
@@ -102,7 +109,8 @@ def test_pets_reads_annotations_and_names_a_missing_field(tmp_path):
     base = tmp_path / "oxford-iiit-pet"
     (base / "annotations").mkdir(parents=True)
     (base / "annotations" / "trainval.txt").write_text(
-        "Abyssinian_100 1 1 1\nam_bulldog_12 2 2 1\nAbyssinian_2 1 1 1\n")
+        "Abyssinian_100 1 1 1\nam_bulldog_12 2 2 1\nAbyssinian_2 1 1 1\n"
+    )
     (base / "annotations" / "test.txt").write_text("#Image CLASS-ID SPECIES BREED ID\nam_bulldog_3\n")
     for name in ("Abyssinian_100", "am_bulldog_12", "Abyssinian_2", "am_bulldog_3"):
         write_image(base / "images" / f"{name}.jpg")
@@ -113,8 +121,10 @@ def test_pets_reads_annotations_and_names_a_missing_field(tmp_path):
 
 
 def test_imagenet_and_generic_folders_share_class_ids(tmp_path):
-    for split, names in (("train", ["n01440764/a.JPEG", "n01443537/b.JPEG", "n01443537/c.JPEG"]),
-                         ("val", ["n01443537/d.JPEG", "n01440764/e.JPEG"])):
+    for split, names in (
+        ("train", ["n01440764/a.JPEG", "n01443537/b.JPEG", "n01443537/c.JPEG"]),
+        ("val", ["n01443537/d.JPEG", "n01440764/e.JPEG"]),
+    ):
         for name in names:
             write_image(tmp_path / split / name)
     (tmp_path / "train" / "n01440764" / "notes.txt").write_text("not an image")
@@ -174,8 +184,9 @@ def test_shard_reader_uses_meta_labels_and_names_a_missing_label(shapes_dir, tmp
     test = readers.read_split("shapes", str(shapes_dir), "test")
     assert train.class_names == ["circle", "square", "triangle"] and len(train) + len(test) == 240
     assert set(test.labels.tolist()) <= {0, 1, 2}
-    shards.write_split([shards.Sample("k0", png(), "a red square", {"colour": "red"})], str(tmp_path), "val",
-                       "webdataset", 10)
+    shards.write_split(
+        [shards.Sample("k0", png(), "a red square", {"colour": "red"})], str(tmp_path), "val", "webdataset", 10
+    )
     shards.write_manifest(str(tmp_path), {"class_names": ["square"]})
     with pytest.raises(DatasetFormatError, match=r"sample k0: missing field 'label'"):
         readers.read_split("tuxpaint", str(tmp_path), "test")
@@ -183,10 +194,19 @@ def test_shard_reader_uses_meta_labels_and_names_a_missing_label(shapes_dir, tmp
 
 # ------------------------------------------------------------------------- benchmark readers
 
+
 def vg_item(i: int, **changes) -> dict:
-    item = {"image_id": str(i), "image_path": f"{i}.jpg", "bbox_x": 4, "bbox_y": 0, "bbox_w": 4, "bbox_h": 8,
-            "true_caption": "the horse is eating the grass", "false_caption": "the grass is eating the horse",
-            "relation_name": "eating"}
+    item = {
+        "image_id": str(i),
+        "image_path": f"{i}.jpg",
+        "bbox_x": 4,
+        "bbox_y": 0,
+        "bbox_w": 4,
+        "bbox_h": 8,
+        "true_caption": "the horse is eating the grass",
+        "false_caption": "the grass is eating the horse",
+        "relation_name": "eating",
+    }
     return {**item, **changes}
 
 
@@ -197,8 +217,9 @@ def test_aro_vg_reader_crops_the_box_and_names_missing_fields(tmp_path):
     image.save(tmp_path / "images" / "0.jpg", quality=100)
     image.save(tmp_path / "images" / "1.jpg", quality=100)
     (tmp_path / "visual_genome_relation.json").write_text(json.dumps([vg_item(0), vg_item(1)]))
-    (tmp_path / "visual_genome_attribution.json").write_text(json.dumps([
-        vg_item(0, true_caption="the red door", false_caption="the door red", attributes=["red", "open"])]))
+    (tmp_path / "visual_genome_attribution.json").write_text(
+        json.dumps([vg_item(0, true_caption="the red door", false_caption="the door red", attributes=["red", "open"])])
+    )
     items = comp.read_benchmark("aro", tmp_path)
     assert sorted(items) == ["vg_attribution", "vg_relation"] and len(items["vg_relation"]) == 2
     assert items["vg_relation"][0].captions == ["the horse is eating the grass", "the grass is eating the horse"]
@@ -210,12 +231,25 @@ def test_aro_vg_reader_crops_the_box_and_names_missing_fields(tmp_path):
     with pytest.raises(DatasetFormatError, match=r"visual_genome_relation.json: item 1: missing field 'false_caption'"):
         comp.read_benchmark("aro", tmp_path, subsets=["vg_relation"])
     (tmp_path / "visual_genome_relation.json").write_text(json.dumps([vg_item(7)]))
-    with pytest.raises(DatasetFormatError, match=r"visual_genome_relation.json: item 0: field 'image_path' names .*7.jpg"):
+    with pytest.raises(
+        DatasetFormatError, match=r"visual_genome_relation.json: item 0: field 'image_path' names .*7.jpg"
+    ):
         comp.read_benchmark("aro", tmp_path, subsets=["vg_relation"])
 
 
-TAGS = {"a": "DT", "man": "NN", "riding": "VBG", "brown": "JJ", "horse": "NN", "on": "IN", "the": "DT",
-        "beach": "NN", "dog": "NN", "runs": "VBZ", "fast": "RB"}
+TAGS = {
+    "a": "DT",
+    "man": "NN",
+    "riding": "VBG",
+    "brown": "JJ",
+    "horse": "NN",
+    "on": "IN",
+    "the": "DT",
+    "beach": "NN",
+    "dog": "NN",
+    "runs": "VBZ",
+    "fast": "RB",
+}
 
 
 def fake_tagger(words):
@@ -224,17 +258,30 @@ def fake_tagger(words):
 
 def test_aro_order_reader_writes_four_perturbations_per_caption(tmp_path):
     write_image(tmp_path / "val2014" / "COCO_val2014_1.jpg")
-    (tmp_path / "coco_karpathy_test.json").write_text(json.dumps([
-        {"image": "val2014/COCO_val2014_1.jpg", "image_id": "coco_1",
-         "caption": ["A man riding a brown horse on the beach.", "A dog runs fast"]}]))
+    (tmp_path / "coco_karpathy_test.json").write_text(
+        json.dumps(
+            [
+                {
+                    "image": "val2014/COCO_val2014_1.jpg",
+                    "image_id": "coco_1",
+                    "caption": ["A man riding a brown horse on the beach.", "A dog runs fast"],
+                }
+            ]
+        )
+    )
     items = comp.read_benchmark("aro", tmp_path, subsets=["coco_order"], tagger=fake_tagger)["coco_order"]
     assert len(items) == 2 and all(len(item.captions) == 5 for item in items)
     true, *perturbed = items[0].captions
     assert true == "a man riding a brown horse on the beach"
     assert all(sorted(p.split()) == sorted(true.split()) for p in perturbed)
     nouns_shuffled = perturbed[0].split()
-    assert [w for w, t in zip(nouns_shuffled, fake_tagger(nouns_shuffled)) if t not in ("NN", "JJ")] == \
-        ["a", "riding", "a", "on", "the"]  # only nouns and adjectives moved
+    assert [w for w, t in zip(nouns_shuffled, fake_tagger(nouns_shuffled)) if t not in ("NN", "JJ")] == [
+        "a",
+        "riding",
+        "a",
+        "on",
+        "the",
+    ]  # only nouns and adjectives moved
     (tmp_path / "coco_karpathy_test.json").write_text(json.dumps([{"image": "val2014/COCO_val2014_1.jpg"}]))
     with pytest.raises(DatasetFormatError, match=r"coco_karpathy_test.json: item 0: missing field 'caption'"):
         comp.read_benchmark("aro", tmp_path, subsets=["coco_order"], tagger=fake_tagger)
@@ -242,15 +289,19 @@ def test_aro_order_reader_writes_four_perturbations_per_caption(tmp_path):
 
 def test_sugarcrepe_reads_all_seven_subsets_and_names_missing_fields(tmp_path):
     write_image(tmp_path / "val2017" / "000000467315.jpg")
-    entry = {"filename": "000000467315.jpg", "caption": "A vase sitting on a table with flowers in it.",
-             "negative_caption": "Flowers sitting on a table with a vase in it."}
+    entry = {
+        "filename": "000000467315.jpg",
+        "caption": "A vase sitting on a table with flowers in it.",
+        "negative_caption": "Flowers sitting on a table with a vase in it.",
+    }
     for subset in comp.SUGARCREPE_SUBSETS:
         (tmp_path / f"{subset}.json").write_text(json.dumps({"0": entry, "1": entry}))
     items = comp.read_benchmark("sugarcrepe", tmp_path, image_dir=tmp_path / "val2017")
     assert list(items) == list(comp.SUGARCREPE_SUBSETS) and all(len(v) == 2 for v in items.values())
     assert items["swap_obj"][1].captions == [entry["caption"], entry["negative_caption"]]
-    (tmp_path / "add_att.json").write_text(json.dumps({"0": entry, "1": {"filename": entry["filename"],
-                                                                         "caption": "x"}}))
+    (tmp_path / "add_att.json").write_text(
+        json.dumps({"0": entry, "1": {"filename": entry["filename"], "caption": "x"}})
+    )
     with pytest.raises(DatasetFormatError, match=r"add_att.json: item '1': missing field 'negative_caption'"):
         comp.read_benchmark("sugarcrepe", tmp_path, image_dir=tmp_path / "val2017")
     with pytest.raises(DatasetFormatError, match=r"swap_att.json: item '0': field 'filename' names"):
@@ -268,7 +319,11 @@ def test_shapes_compositionality_files_are_read_as_aro_and_sugarcrepe(shapes_dir
     model = probe.random_init(RunConfig.model_validate({"data": {"max_length": 16}}))
     result = comp.evaluate_shapes(model, "mdc", str(shapes_dir), samples=1, limit=2)
     assert result["scorer"] == "montecarlo" and result["num_items"] == {
-        "aro/vg_relation": 2, "aro/vg_attribution": 2, "sugarcrepe/swap_obj": 2, "sugarcrepe/swap_att": 2}
+        "aro/vg_relation": 2,
+        "aro/vg_attribution": 2,
+        "sugarcrepe/swap_obj": 2,
+        "sugarcrepe/swap_att": 2,
+    }
     assert set(result["blind_accuracy"]) == set(result["accuracy"])
     aro = comp.evaluate_shapes(model, "mdc", str(shapes_dir), samples=1, limit=2, benchmarks=("aro",))
     assert set(aro["accuracy"]) == {"aro/vg_relation", "aro/vg_attribution"}
@@ -276,13 +331,16 @@ def test_shapes_compositionality_files_are_read_as_aro_and_sugarcrepe(shapes_dir
 
 # ----------------------------------------------------------------------------- caption metrics
 
+
 def test_bleu4_matches_a_hand_computation_and_identity_scores_one():
     # candidate "the cat sat on the mat", reference "the cat sat on a mat": clipped n-gram precisions
     # 5/6, 3/5, 2/4, 1/3; equal lengths, so no brevity penalty
     metrics = captioning.caption_metrics({0: "The cat sat on the mat."}, {0: ["the cat sat on a mat"]})
     assert metrics["bleu4"] == pytest.approx((5 / 6 * 3 / 5 * 2 / 4 * 1 / 3) ** 0.25, abs=1e-6)
-    same = captioning.caption_metrics({0: "a red circle", 1: "two blue squares side by side"},
-                                      {0: ["A red circle."], 1: ["two blue squares, side by side"]})
+    same = captioning.caption_metrics(
+        {0: "a red circle", 1: "two blue squares side by side"},
+        {0: ["A red circle."], 1: ["two blue squares, side by side"]},
+    )
     assert same["bleu4"] == pytest.approx(1.0, abs=1e-6)
 
 
@@ -292,8 +350,10 @@ def test_cider_d_matches_a_hand_computation_on_two_images():
     cosine, a Gaussian length penalty exp(-δ²/2σ²) with σ = 6; mean over n, over references, ×10,
     mean over images. With two images the idf of an n-gram is log 2 (one image) or 0 (both:
     "a", "circle"), so every cosine below is a ratio of small integers."""
-    metrics = captioning.caption_metrics({"A": "A red red circle.", "B": "a blue square"},
-                                         {"A": ["a red circle"], "B": ["a blue square", "a blue circle"]})
+    metrics = captioning.caption_metrics(
+        {"A": "A red red circle.", "B": "a blue square"},
+        {"A": ["a red circle"], "B": ["a blue square", "a blue circle"]},
+    )
     # A: unigrams red 2w (clipped to w) against w: 1/2; bigrams (a red, red red, red circle) against
     # (a red, red circle): 2/sqrt(3·2); no shared 3- or 4-gram; one word longer: δ = 1
     image_a = 10 * math.exp(-1 / 72) * (1 / 2 + 2 / math.sqrt(6)) / 4
@@ -310,13 +370,17 @@ def test_caption_metrics_compare_normalised_text():
 
 
 def test_group_by_image_collects_every_caption_of_an_image():
-    samples = [shards.Sample("a", png((1, 2, 3)), "first"), shards.Sample("b", png((9, 9, 9)), "other"),
-               shards.Sample("c", png((1, 2, 3)), "second")]
+    samples = [
+        shards.Sample("a", png((1, 2, 3)), "first"),
+        shards.Sample("b", png((9, 9, 9)), "other"),
+        shards.Sample("c", png((1, 2, 3)), "second"),
+    ]
     grouped = captioning.group_by_image(samples, limit=1)
     assert [(g.key, g.references) for g in grouped] == [("a", ["first", "second"])]
 
 
 # ------------------------------------------------------------------------------- probe, scorers
+
 
 def test_fit_probe_chooses_c_on_held_out_train_and_scores_test():
     rng = np.random.default_rng(0)
@@ -366,9 +430,13 @@ def test_scorer_registry_picks_by_objective_and_takes_new_scorers():
 
 def test_evaluation_counts_ties_as_wrong(tmp_path):
     write_image(tmp_path / "a.png")
-    items = {"s": [comp.Item(str(tmp_path / "a.png"), ["short", "a longer one"]),
-                   comp.Item(str(tmp_path / "a.png"), ["a longer one", "short"]),
-                   comp.Item(str(tmp_path / "a.png"), ["tie", "tie"])]}
+    items = {
+        "s": [
+            comp.Item(str(tmp_path / "a.png"), ["short", "a longer one"]),
+            comp.Item(str(tmp_path / "a.png"), ["a longer one", "short"]),
+            comp.Item(str(tmp_path / "a.png"), ["tie", "tie"]),
+        ]
+    }
 
     def shorter_is_better(model, images, texts, samples=None, generator=None):
         return torch.tensor([[-float(len(t[b])) for t in texts] for b in range(len(images))])
@@ -452,14 +520,19 @@ def test_longer_negatives_are_won_by_text_alone_and_flagged(tmp_path):
     for i in range(24):
         colour, shape = colours[i % 4], shapes[i % 3]
         write_image(tmp_path / "images" / f"{i}.png", (40 * (i % 6), 255 - 10 * i, 100))
-        entries[str(i)] = {"filename": f"{i}.png", "caption": f"a {colour} {shape}",
-                           "negative_caption": f"a {colour} {shape} {('left', 'small', 'big')[i % 3]}"}
+        entries[str(i)] = {
+            "filename": f"{i}.png",
+            "caption": f"a {colour} {shape}",
+            "negative_caption": f"a {colour} {shape} {('left', 'small', 'big')[i % 3]}",
+        }
     (tmp_path / "add_att.json").write_text(json.dumps(entries))
     items = comp.read_benchmark("sugarcrepe", tmp_path)
     model = probe.random_init(RunConfig.model_validate({"data": {"max_length": 16}}))
     result = comp.evaluate_compositionality(model, items, comp.SCORERS["montecarlo"], samples=4)
-    print(f"untrained, add_att one word longer: accuracy {result['accuracy']['add_att']:.3f}, "
-          f"blind {result['blind_accuracy']['add_att']:.3f}")
+    print(
+        f"untrained, add_att one word longer: accuracy {result['accuracy']['add_att']:.3f}, "
+        f"blind {result['blind_accuracy']['add_att']:.3f}"
+    )
     assert result["accuracy"]["add_att"] > 0.8
     assert abs(result["blind_accuracy"]["add_att"] - result["accuracy"]["add_att"]) < 0.1
     assert result["text_biased"] == ["add_att"]
@@ -508,8 +581,7 @@ def trained(shapes_data):
     generator = torch.Generator().manual_seed(cfg.train.seed)
     for _ in range(cfg.train.steps):
         idx = torch.randint(0, len(samples), (batch_size,), generator=generator)
-        train_step(model, optimizer, scheduler, images[idx], tokens[idx], cfg.objective, cfg.optim.grad_clip,
-                   generator)
+        train_step(model, optimizer, scheduler, images[idx], tokens[idx], cfg.objective, cfg.optim.grad_clip, generator)
     return model.eval(), probe.random_init(cfg, seed=1)
 
 

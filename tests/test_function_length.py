@@ -10,14 +10,19 @@ LIMIT = 60
 
 
 def long_functions(source: str, name: str) -> list[str]:
-    return [f"{name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-            for node in ast.walk(ast.parse(source))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > LIMIT]
+    return [
+        f"{name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > LIMIT
+    ]
 
 
 def test_no_function_in_pipelines_is_over_60_lines():
-    found = [hit for path in sorted((ROOT / "pipelines").rglob("*.py"))
-             for hit in long_functions(path.read_text(), str(path.relative_to(ROOT)))]
+    found = [
+        hit
+        for path in sorted((ROOT / "pipelines").rglob("*.py"))
+        for hit in long_functions(path.read_text(), str(path.relative_to(ROOT)))
+    ]
     assert found == []
 
 

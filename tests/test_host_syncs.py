@@ -26,8 +26,17 @@ pytestmark = pytest.mark.timeout(300)
 
 REPO = str(Path(__file__).resolve().parents[1])
 HOST_READS = ("item", "__float__", "tolist", "cpu", "numpy")
-COLLECTIVES = ("all_reduce", "broadcast", "broadcast_object_list", "barrier", "all_gather", "all_gather_object",
-               "reduce", "gather", "scatter")
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "all_gather",
+    "all_gather_object",
+    "reduce",
+    "gather",
+    "scatter",
+)
 STEPS, LOG_EVERY, BATCH, SIZE = 7, 3, 4, 32
 
 
@@ -40,9 +49,16 @@ class LocalSession:
         self.reports = []
         tokens = torch.from_numpy(CaptionTokenizer(16).encode(["a red circle", "a small blue square"] * 2))
         rng = np.random.default_rng(0)
-        self.batches = [{"image": torch.from_numpy(rng.integers(0, 255, (BATCH, 3, SIZE, SIZE), dtype=np.uint8)),
-                         "tokens": tokens, "shard": torch.full((BATCH,), i % 2), "row": torch.arange(BATCH),
-                         "shard_rows": torch.zeros(BATCH, dtype=torch.int64)} for i in range(STEPS)]
+        self.batches = [
+            {
+                "image": torch.from_numpy(rng.integers(0, 255, (BATCH, 3, SIZE, SIZE), dtype=np.uint8)),
+                "tokens": tokens,
+                "shard": torch.full((BATCH,), i % 2),
+                "row": torch.arange(BATCH),
+                "shard_rows": torch.zeros(BATCH, dtype=torch.int64),
+            }
+            for i in range(STEPS)
+        ]
 
     def train_batches(self, epoch):
         return iter(self.batches)
@@ -66,21 +82,43 @@ class Counter:
             if self.on and (not only_repo or (caller.startswith(REPO) and "/tests/" not in caller)):
                 self.calls.setdefault(self.step, []).append(f"{name} from {caller}:{sys._getframe(1).f_lineno}")
             return original(*args, **kwargs)
+
         return counted
 
 
 @pytest.fixture
 def trainer(gloo_process_group, tmp_path):
-    cfg = load_config(None, ["model.preset=tiny", f"model.image_size={SIZE}", "data.max_length=16",
-                             f"train.batch_size={BATCH}", "train.num_workers=1", f"train.steps={STEPS}",
-                             f"train.log_every={LOG_EVERY}", "train.checkpoint_every=100", "optim.warmup_steps=2",
-                             f"data.train_uri={tmp_path}", "data.val_uri=null", f"storage_uri={tmp_path / 'ckpt'}",
-                             f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+    cfg = load_config(
+        None,
+        [
+            "model.preset=tiny",
+            f"model.image_size={SIZE}",
+            "data.max_length=16",
+            f"train.batch_size={BATCH}",
+            "train.num_workers=1",
+            f"train.steps={STEPS}",
+            f"train.log_every={LOG_EVERY}",
+            "train.checkpoint_every=100",
+            "optim.warmup_steps=2",
+            f"data.train_uri={tmp_path}",
+            "data.val_uri=null",
+            f"storage_uri={tmp_path / 'ckpt'}",
+            f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        ],
+    )
     run_id = tracking.get_or_create_run(cfg.mlflow_uri, cfg.experiment, cfg.name, {})
     events = []
-    args = WorkerArgs(cfg, str(tmp_path / "ckpt" / cfg.name), cfg.mlflow_uri, run_id,
-                      SimpleNamespace(push=SimpleNamespace(remote=events.append)), IngestResources(1.0, 1.0, 1),
-                      "shards", 2, actors=None)
+    args = WorkerArgs(
+        cfg,
+        str(tmp_path / "ckpt" / cfg.name),
+        cfg.mlflow_uri,
+        run_id,
+        SimpleNamespace(push=SimpleNamespace(remote=events.append)),
+        IngestResources(1.0, 1.0, 1),
+        "shards",
+        2,
+        actors=None,
+    )
     trainer = Trainer(args, LocalSession())
     trainer.events = events
     return trainer
@@ -109,8 +147,9 @@ def test_no_host_sync_nor_collective_on_steps_that_do_not_log(trainer, monkeypat
     quiet = {s: counter.calls.get(s, []) for s in range(1, STEPS + 1) if s not in logged}
     assert quiet == {s: [] for s in quiet}
     # a log step that saves nothing reads back once: every buffered step's metrics in one tensor
-    assert [c for c in counter.calls[LOG_EVERY] if c.split()[0] in HOST_READS] == \
-        [next(c for c in counter.calls[LOG_EVERY] if c.startswith("tolist"))]
+    assert [c for c in counter.calls[LOG_EVERY] if c.split()[0] in HOST_READS] == [
+        next(c for c in counter.calls[LOG_EVERY] if c.startswith("tolist"))
+    ]
     assert [r["step"] for r in trainer.session.reports] == logged
     history = MlflowClient(trainer.cfg.mlflow_uri).get_metric_history(trainer.metrics.mlflow.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1, STEPS + 1))  # every step's loss, written at log steps

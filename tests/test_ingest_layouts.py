@@ -44,9 +44,18 @@ def test_keys_are_img2dataset_keys():
 
 def test_webdataset_folder_has_img2dataset_members_and_side_files(tmp_path):
     out, _ = folder(tmp_path, "webdataset")
-    assert sorted(os.listdir(out)) == ["00000.parquet", "00000.tar", "00000_stats.json", "00001.parquet",
-                                       "00001.tar", "00001_stats.json", "00002.parquet", "00002.tar",
-                                       "00002_stats.json", "_stats.json"]
+    assert sorted(os.listdir(out)) == [
+        "00000.parquet",
+        "00000.tar",
+        "00000_stats.json",
+        "00001.parquet",
+        "00001.tar",
+        "00001_stats.json",
+        "00002.parquet",
+        "00002.tar",
+        "00002_stats.json",
+        "_stats.json",
+    ]
     with tarfile.open(os.path.join(out, "00000.tar")) as tar:
         names = tar.getnames()
         meta = json.loads(tar.extractfile("0000000.json").read())
@@ -64,8 +73,20 @@ def test_webdataset_folder_has_img2dataset_members_and_side_files(tmp_path):
 def test_parquet_folder_keeps_failed_rows_with_null_image(tmp_path):
     out, _ = folder(tmp_path, "parquet")
     table = pq.read_table(os.path.join(out, "00000.parquet"))
-    assert table.schema.names == ["caption", "url", "key", "status", "error_message", "width", "height",
-                                  "original_width", "original_height", "exif", "sha256", "jpg"]
+    assert table.schema.names == [
+        "caption",
+        "url",
+        "key",
+        "status",
+        "error_message",
+        "width",
+        "height",
+        "original_width",
+        "original_height",
+        "exif",
+        "sha256",
+        "jpg",
+    ]
     failed = [r for r in table.to_pylist() if r["status"] != "success"]
     assert {r["status"] for r in failed} == {FAILED_TO_DOWNLOAD, FAILED_TO_RESIZE}
     assert all(r["jpg"] is None and r["error_message"] for r in failed)
@@ -117,8 +138,9 @@ def test_damage_kinds_are_counted_by_reason(tmp_path, output_format):
 
 def test_tar_is_read_member_by_member():
     """The reader never holds a whole shard: it reads a little past the members it has yielded."""
-    members = [(f"k{i}.{ext}", os.urandom(4096) if ext == "jpg" else b"caption") for i in range(50)
-               for ext in ("jpg", "txt")]
+    members = [
+        (f"k{i}.{ext}", os.urandom(4096) if ext == "jpg" else b"caption") for i in range(50) for ext in ("jpg", "txt")
+    ]
     buf = io.BytesIO(tar_of(members))
     reader = shards.iter_tar(buf, "mem.tar", Counter())
     next(reader)
@@ -129,6 +151,7 @@ def test_tar_is_read_member_by_member():
 
 # ------------------------------------------------------------------------------- budget and stalls
 
+
 def test_ingest_budget_is_what_training_leaves():
     small = ingest_resources(cluster_cpus=2, training_cpus=2 * 0.5)
     assert (small.budget, small.cpus_per_reader, small.max_readers) == (1, 1.0, 1)
@@ -137,7 +160,10 @@ def test_ingest_budget_is_what_training_leaves():
     assert ingest_resources(2, 1, override=3).max_readers == 3
     assert ingest_resources(2, 1.5).cpus_per_reader == 0.5  # below one CPU: one reader with all of it
     # a Tune trial's driver holds 0.05 CPU: with two 0.5-CPU workers a whole-CPU reader would never start
-    assert (ingest_resources(2, 1, held_cpus=0.05).cpus_per_reader, ingest_resources(2, 1, held_cpus=0.05).max_readers) == (0.95, 1)
+    assert (
+        ingest_resources(2, 1, held_cpus=0.05).cpus_per_reader,
+        ingest_resources(2, 1, held_cpus=0.05).max_readers,
+    ) == (0.95, 1)
     assert ingest_resources(2, 0.5, held_cpus=0.05).cpus_per_reader == 1.0  # at most one CPU a reader
     assert ingest_resources(2, 1, held_cpus=1.0).cpus_per_reader == 1.0  # a holder about to leave: waited for
     with pytest.raises(ValueError, match="cluster has 2 CPUs and the training workers hold 2"):

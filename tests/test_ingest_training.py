@@ -22,13 +22,26 @@ ROWS = generated_rows(60, image_size=32)
 def run(tmp_path, name, uri, endpoint=None, **overrides):
     """Two steps of 8 per worker: the ~30 good samples of these folders give each worker one batch
     per epoch, so the first epoch, and with it every skip count, is complete before the run ends."""
-    cfg = load_config(None, [f"name={name}", f"storage_uri={tmp_path / 'ckpt'}",
-                             f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"data.train_uri={uri}",
-                             "data.val_uri=null", "data.max_length=16", "data.shuffle_buffer=0",
-                             "train.batch_size=8", "train.num_workers=2", "train.steps=2", "train.log_every=1",
-                             "train.checkpoint_every=10", "optim.warmup_steps=1",
-                             *([f"data.endpoint_url={endpoint}"] if endpoint else []),
-                             *[f"{k.replace('__', '.')}={v}" for k, v in overrides.items()]])
+    cfg = load_config(
+        None,
+        [
+            f"name={name}",
+            f"storage_uri={tmp_path / 'ckpt'}",
+            f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"data.train_uri={uri}",
+            "data.val_uri=null",
+            "data.max_length=16",
+            "data.shuffle_buffer=0",
+            "train.batch_size=8",
+            "train.num_workers=2",
+            "train.steps=2",
+            "train.log_every=1",
+            "train.checkpoint_every=10",
+            "optim.warmup_steps=1",
+            *([f"data.endpoint_url={endpoint}"] if endpoint else []),
+            *[f"{k.replace('__', '.')}={v}" for k, v in overrides.items()],
+        ],
+    )
     return train.run_training(cfg)
 
 
@@ -66,8 +79,9 @@ def test_mixed_folder_trains(ray_cluster, tmp_path):
     summary = run(tmp_path, "mixed", tmp_path / "mixed", train__steps=3)  # two batches a worker per epoch
     assert summary.metrics["step"] == 3
     assert summary.skipped == {shards.FAILED_DOWNLOAD: sum(r.jpg is None for r in ROWS[30:])}
-    waits = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(summary.mlflow_run_id,
-                                                                                  "data_wait_fraction")
+    waits = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(
+        summary.mlflow_run_id, "data_wait_fraction"
+    )
     assert [m.step for m in waits] == [1, 2, 3] and all(0 <= m.value <= 1 for m in waits)
 
 

@@ -20,8 +20,12 @@ def project_modules() -> dict[str, Path]:
 def imports(tree: ast.Module, modules: dict[str, Path]):
     """(line, imported module, at module level?) for every import statement in the file; the modules
     of mdc/ and pipelines/ by their full names."""
-    in_function = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
-                   for node in ast.walk(fn)}
+    in_function = {
+        id(node)
+        for fn in ast.walk(tree)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(fn)
+    }
     for node in ast.walk(tree):
         names = []
         if isinstance(node, ast.Import):
@@ -29,8 +33,9 @@ def imports(tree: ast.Module, modules: dict[str, Path]):
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             # `from mdc.data import shards` imports the module mdc.data.shards, `from mdc.data.shards
             # import Sample` the module mdc.data.shards
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                     for a in node.names]
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names
+            ]
         for name in names:
             yield node.lineno, name, id(node) not in in_function
 
@@ -103,6 +108,11 @@ def test_every_function_local_import_says_why():
 
 def test_mdc_never_imports_ray():
     modules = project_modules()
-    offenders = [f"{path.relative_to(ROOT)}:{line}" for name, path in modules.items() if name.startswith("mdc")
-                 for line, target, _ in imports(ast.parse(path.read_text()), modules) if target.split(".")[0] == "ray"]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for name, path in modules.items()
+        if name.startswith("mdc")
+        for line, target, _ in imports(ast.parse(path.read_text()), modules)
+        if target.split(".")[0] == "ray"
+    ]
     assert offenders == []

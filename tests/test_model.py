@@ -114,8 +114,9 @@ def test_concentrated_attention_hides_mask_keys():
     with_pad, with_mask = tokens.clone(), tokens.clone()
     with_pad[:, 6], with_mask[:, 6] = PAD, MASK
     others = [0, 1, 2, 3, 4, 5, 7]
-    torch.testing.assert_close(model(images(), with_pad)[:, others],
-                               model(images(), with_mask)[:, others], rtol=0, atol=0)
+    torch.testing.assert_close(
+        model(images(), with_pad)[:, others], model(images(), with_mask)[:, others], rtol=0, atol=0
+    )
     model.concentrated_attention = False
     assert not torch.allclose(model(images(), with_pad)[:, others], model(images(), with_mask)[:, others])
 
@@ -127,12 +128,15 @@ def test_concentrated_attention_handles_all_mask_input():
     assert torch.isfinite(logits[..., :MASK]).all()
 
 
-@pytest.mark.parametrize("preset, patches, patch, dim", [
-    ("tiny", 64, 4, 128),
-    ("vit_b32", 49, 32, 768),
-    ("vit_b16", 196, 16, 768),
-    ("vit_l14", 256, 14, 1024),
-])
+@pytest.mark.parametrize(
+    "preset, patches, patch, dim",
+    [
+        ("tiny", 64, 4, 128),
+        ("vit_b32", 49, 32, 768),
+        ("vit_b16", 196, 16, 768),
+        ("vit_l14", 256, 14, 1024),
+    ],
+)
 def test_presets(preset, patches, patch, dim):
     with torch.device("meta"):
         model = Captioner(preset, max_length=32)

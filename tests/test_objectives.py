@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from helpers import ConstantNLL
 from torch import nn
 
 import mdc.objectives.masked as objectives
@@ -9,8 +10,6 @@ from mdc.config import ObjectiveConfig
 from mdc.objectives.autoregressive import autoregressive_io, autoregressive_loss
 from mdc.objectives.masked import T_MIN, mask_tokens, masked_diffusion_loss, sample_t
 from mdc.registry import compute_loss
-
-from helpers import ConstantNLL
 
 # A toy vocabulary: words 0..3, then the special ids.
 BOS, EOS, MASK, PAD = 4, 5, 6, 7
@@ -45,30 +44,34 @@ def random_table(*shape, seed=0):
     return torch.randn(*shape, VOCAB, generator=torch.Generator().manual_seed(seed))
 
 
-TOKENS = torch.tensor([[0, 1, 2, 3, 1],
-                       [2, 2, 0, PAD, PAD],
-                       [3, 1, PAD, PAD, PAD]])
+TOKENS = torch.tensor([[0, 1, 2, 3, 1], [2, 2, 0, PAD, PAD], [3, 1, PAD, PAD, PAD]])
 T = torch.tensor([0.5, 0.8, 0.25])
-MASKED = torch.tensor([[True, False, True, True, False],
-                       [False, True, False, False, False],
-                       [True, True, False, False, False]])
+MASKED = torch.tensor(
+    [[True, False, True, True, False], [False, True, False, False, False], [True, True, False, False, False]]
+)
 
 
 @pytest.fixture
 def fixed_draws(monkeypatch):
     """t and the mask as chosen above, whatever the objective would have drawn."""
     monkeypatch.setattr(objectives, "sample_t", lambda n, *args, **kwargs: T.clone())
-    monkeypatch.setattr(objectives, "mask_tokens",
-                        lambda tokens, t, mask_id, pad_id, generator=None, force_one=False:
-                        (torch.where(MASKED, mask_id, tokens), MASKED.clone()))
+    monkeypatch.setattr(
+        objectives,
+        "mask_tokens",
+        lambda tokens, t, mask_id, pad_id, generator=None, force_one=False: (
+            torch.where(MASKED, mask_id, tokens),
+            MASKED.clone(),
+        ),
+    )
 
 
 def test_mdc_loss_is_inverse_t_weighted_and_normalised_by_real_tokens(fixed_draws):
     table = random_table(3, 5)
     model = StubModel(table)
     loss, metrics = masked_diffusion_loss(model, None, TOKENS, "mdc")
-    expected = sum(nll(table[b, i], int(TOKENS[b, i])) / float(T[b])
-                   for b in range(3) for i in range(5) if MASKED[b, i]) / 10  # 10 non-pad tokens
+    expected = (
+        sum(nll(table[b, i], int(TOKENS[b, i])) / float(T[b]) for b in range(3) for i in range(5) if MASKED[b, i]) / 10
+    )  # 10 non-pad tokens
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     assert metrics["masked_fraction"].item() == pytest.approx(6 / 10)
     call = model.calls[0]
@@ -83,19 +86,27 @@ def test_mdc_loss_of_a_caption_with_nothing_masked_is_zero(monkeypatch):
     masked = MASKED.clone()
     masked[1] = False
     monkeypatch.setattr(objectives, "sample_t", lambda n, *args, **kwargs: T.clone())
-    monkeypatch.setattr(objectives, "mask_tokens", lambda tokens, t, mask_id, pad_id, generator=None,
-                        force_one=False: (torch.where(masked, mask_id, tokens), masked.clone()))
+    monkeypatch.setattr(
+        objectives,
+        "mask_tokens",
+        lambda tokens, t, mask_id, pad_id, generator=None, force_one=False: (
+            torch.where(masked, mask_id, tokens),
+            masked.clone(),
+        ),
+    )
     table = random_table(3, 5)
     loss, _ = masked_diffusion_loss(StubModel(table), None, TOKENS, "mdc")
-    expected = sum(nll(table[b, i], int(TOKENS[b, i])) / float(T[b])
-                   for b in range(3) for i in range(5) if masked[b, i]) / 10
+    expected = (
+        sum(nll(table[b, i], int(TOKENS[b, i])) / float(T[b]) for b in range(3) for i in range(5) if masked[b, i]) / 10
+    )
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 
 def test_mdc_loss_of_a_batch_with_nothing_masked_is_zero_and_differentiable():
     table = random_table(3, 5).requires_grad_()
-    loss, metrics = masked_diffusion_loss(StubModel(table), None, TOKENS, "mdc", 0.0, 1e-9,
-                                          generator=torch.Generator().manual_seed(0))
+    loss, metrics = masked_diffusion_loss(
+        StubModel(table), None, TOKENS, "mdc", 0.0, 1e-9, generator=torch.Generator().manual_seed(0)
+    )
     assert loss.item() == 0.0 and metrics["masked_fraction"].item() == 0.0 and metrics["nll_masked"].item() == 0.0
     loss.backward()
     assert torch.equal(table.grad, torch.zeros_like(table))
@@ -113,8 +124,12 @@ def test_mdc_loss_is_an_unbiased_estimate_of_the_elbo(length, omega_l, omega_u, 
     tokens = torch.where(torch.arange(8) < length, 0, PAD).repeat(32, 1)
     generator = torch.Generator().manual_seed(length)
     uniform = ConstantNLL(VOCAB, mask_id=MASK, pad_id=PAD, bos_id=BOS, eos_id=EOS)
-    ratios = torch.tensor([masked_diffusion_loss(uniform, None, tokens, "mdc", omega_l, omega_u,
-                                                 generator=generator)[0].item() / ell for _ in range(draws)])
+    ratios = torch.tensor(
+        [
+            masked_diffusion_loss(uniform, None, tokens, "mdc", omega_l, omega_u, generator=generator)[0].item() / ell
+            for _ in range(draws)
+        ]
+    )
     standard_error = ratios.std().item() / math.sqrt(draws)
     assert standard_error < tolerance / 4
     assert abs(ratios.mean().item() - 1.0) < tolerance, (ratios.mean(), standard_error)
@@ -125,8 +140,13 @@ def test_sampled_t_never_falls_below_t_min():
     model = StubModel(random_table(3))
     tokens = torch.tensor([[0, 1, 2]] * 64)
     for name in ("mdc", "cmlm"):
-        compute_loss(model, None, tokens, ObjectiveConfig(name=name, omega_l=0.0, omega_u=0.01),
-                     generator=torch.Generator().manual_seed(11))
+        compute_loss(
+            model,
+            None,
+            tokens,
+            ObjectiveConfig(name=name, omega_l=0.0, omega_u=0.01),
+            generator=torch.Generator().manual_seed(11),
+        )
         assert (model.calls[-1]["t"] >= T_MIN).all()
 
 
@@ -145,8 +165,9 @@ def test_bert_uses_the_fixed_ratio(monkeypatch):
     monkeypatch.setattr(objectives, "sample_t", no_sampling)
     tokens = torch.randint(0, 4, (500, 40), generator=torch.Generator().manual_seed(1))
     model = StubModel(random_table(40))
-    _, metrics = masked_diffusion_loss(model, None, tokens, "bert", mask_ratio=0.25,
-                                       generator=torch.Generator().manual_seed(2))
+    _, metrics = masked_diffusion_loss(
+        model, None, tokens, "bert", mask_ratio=0.25, generator=torch.Generator().manual_seed(2)
+    )
     assert torch.equal(model.calls[0]["t"], torch.full((500,), 0.25))
     assert abs(metrics["masked_fraction"].item() - 0.25) < 0.01
 
@@ -162,9 +183,10 @@ def test_pads_are_never_masked_nor_counted():
     loud = table.clone()
     loud[~real] = 100.0 * torch.randn(int((~real).sum()), VOCAB)  # wild logits at pad positions
     for kind in ("mdc", "cmlm"):
-        losses = [masked_diffusion_loss(StubModel(tab), None, tokens, kind,
-                                        generator=torch.Generator().manual_seed(3))[0]
-                  for tab in (table, loud)]
+        losses = [
+            masked_diffusion_loss(StubModel(tab), None, tokens, kind, generator=torch.Generator().manual_seed(3))[0]
+            for tab in (table, loud)
+        ]
         assert losses[0].item() == losses[1].item()
 
 
@@ -173,14 +195,14 @@ def test_mdc_loss_end_to_end_with_drawn_t_and_mask():
     tokens = TOKENS.repeat(4, 1)
     table = random_table(12, 5)
     model = StubModel(table)
-    loss, _ = masked_diffusion_loss(model, None, tokens, "mdc", 0.3, 0.9,
-                                    generator=torch.Generator().manual_seed(4))
+    loss, _ = masked_diffusion_loss(model, None, tokens, "mdc", 0.3, 0.9, generator=torch.Generator().manual_seed(4))
     fed, t = model.calls[0]["tokens"], model.calls[0]["t"]
     masked = fed == MASK
     assert ((t >= 0.3) & (t < 0.9)).all()
     assert not (masked & (tokens == PAD)).any()
-    expected = sum(nll(table[b, i], int(tokens[b, i])) / float(t[b])
-                   for b in range(12) for i in range(5) if masked[b, i]) / int((tokens != PAD).sum())
+    expected = sum(
+        nll(table[b, i], int(tokens[b, i])) / float(t[b]) for b in range(12) for i in range(5) if masked[b, i]
+    ) / int((tokens != PAD).sum())
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 
@@ -202,8 +224,13 @@ def test_nothing_is_forced_unless_asked():
 def test_cmlm_and_bert_get_a_forced_mask_and_mdc_does_not(monkeypatch):
     forced = []
     real_mask_tokens = objectives.mask_tokens
-    monkeypatch.setattr(objectives, "mask_tokens", lambda *args, force_one=False, **kwargs:
-                        forced.append(force_one) or real_mask_tokens(*args, force_one=force_one, **kwargs))
+    monkeypatch.setattr(
+        objectives,
+        "mask_tokens",
+        lambda *args, force_one=False, **kwargs: (
+            forced.append(force_one) or real_mask_tokens(*args, force_one=force_one, **kwargs)
+        ),
+    )
     for kind in ("mdc", "cmlm", "bert"):
         masked_diffusion_loss(StubModel(random_table(3)), None, torch.tensor([[0, 1, 2]] * 4), kind)
     assert forced == [False, True, True]
@@ -212,8 +239,9 @@ def test_cmlm_and_bert_get_a_forced_mask_and_mdc_does_not(monkeypatch):
 def test_a_row_with_nothing_masked_gets_one_forced_mask():
     lengths = torch.tensor([1, 3, 5, 0]).repeat(1000)
     tokens = torch.where(torch.arange(5) < lengths[:, None], 2, PAD)
-    noisy, masked = mask_tokens(tokens, torch.zeros(len(tokens)), MASK, PAD,
-                                generator=torch.Generator().manual_seed(6), force_one=True)
+    noisy, masked = mask_tokens(
+        tokens, torch.zeros(len(tokens)), MASK, PAD, generator=torch.Generator().manual_seed(6), force_one=True
+    )
     assert torch.equal(masked.sum(1), (lengths > 0).long())
     assert not (masked & (tokens == PAD)).any()
     assert torch.equal(noisy == MASK, masked)
@@ -234,20 +262,14 @@ def test_plain_t_is_uniform_in_the_interval():
     t = sample_t(20000, 0.5, 1.0, antithetic=False, generator=torch.Generator().manual_seed(7))
     assert ((t >= 0.5) & (t < 1.0)).all()
     assert abs(t.mean().item() - 0.75) < 0.01
-    assert abs(t.var().item() - 0.25 ** 2 / 3) < 0.002
+    assert abs(t.var().item() - 0.25**2 / 3) < 0.002
 
 
 def test_autoregressive_io_shifts_right_and_appends_eos():
-    tokens = torch.tensor([[0, 1, 2, PAD, PAD],
-                           [3, PAD, PAD, PAD, PAD],
-                           [0, 1, 2, 3, 0]])
+    tokens = torch.tensor([[0, 1, 2, PAD, PAD], [3, PAD, PAD, PAD, PAD], [0, 1, 2, 3, 0]])
     inputs, targets = autoregressive_io(tokens, BOS, EOS, PAD)
-    assert inputs.tolist() == [[BOS, 0, 1, 2, PAD, PAD],
-                               [BOS, 3, PAD, PAD, PAD, PAD],
-                               [BOS, 0, 1, 2, 3, 0]]
-    assert targets.tolist() == [[0, 1, 2, EOS, PAD, PAD],
-                                [3, EOS, PAD, PAD, PAD, PAD],
-                                [0, 1, 2, 3, 0, EOS]]
+    assert inputs.tolist() == [[BOS, 0, 1, 2, PAD, PAD], [BOS, 3, PAD, PAD, PAD, PAD], [BOS, 0, 1, 2, 3, 0]]
+    assert targets.tolist() == [[0, 1, 2, EOS, PAD, PAD], [3, EOS, PAD, PAD, PAD, PAD], [0, 1, 2, 3, 0, EOS]]
 
 
 def test_cap_loss_is_mean_cross_entropy_over_targets():
@@ -270,8 +292,9 @@ def test_cappa_parallel_rows_are_all_mask_pads_included_and_bidirectional():
     lengths = torch.randint(1, 7, (4000,), generator=torch.Generator().manual_seed(8))
     tokens = torch.where(torch.arange(6) < lengths[:, None], 1, PAD)
     model = StubModel(random_table(7))
-    _, metrics = autoregressive_loss(model, None, tokens, parallel_prob=0.75,
-                                     generator=torch.Generator().manual_seed(9))
+    _, metrics = autoregressive_loss(
+        model, None, tokens, parallel_prob=0.75, generator=torch.Generator().manual_seed(9)
+    )
     fed, causal = model.calls[0]["tokens"], model.calls[0]["causal"]
     parallel = ~causal
     assert abs(parallel.float().mean().item() - 0.75) < 0.02
@@ -326,5 +349,5 @@ def test_cappa_parallel_prediction_does_not_see_the_caption_length():
             return seen["logits"][where]
 
     autoregressive_loss(Recorder(), image, tokens, parallel_prob=1.0)
-    words = seen["logits"][:, 0, :model.mask_id]  # [MASK] and pad are −∞ in both
+    words = seen["logits"][:, 0, : model.mask_id]  # [MASK] and pad are −∞ in both
     assert torch.equal(words[0], words[1])

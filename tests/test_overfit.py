@@ -13,8 +13,16 @@ from mdc.sampling import generate_autoregressive, sample_masked
 from mdc.scoring import autoregressive_score, monte_carlo_elbo, pseudo_log_likelihood
 from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step, warmup_cosine
 
-COLOURS = {"red": (230, 25, 25), "blue": (25, 50, 230), "green": (20, 170, 40), "yellow": (240, 220, 20),
-           "purple": (140, 30, 180), "orange": (250, 130, 0), "black": (0, 0, 0), "white": (255, 255, 255)}
+COLOURS = {
+    "red": (230, 25, 25),
+    "blue": (25, 50, 230),
+    "green": (20, 170, 40),
+    "yellow": (240, 220, 20),
+    "purple": (140, 30, 180),
+    "orange": (250, 130, 0),
+    "black": (0, 0, 0),
+    "white": (255, 255, 255),
+}
 SCENES = [  # (left object, right object); no scene is another's mirror image
     (("red", "circle"), ("blue", "square")),
     (("green", "triangle"), ("yellow", "circle")),
@@ -53,9 +61,13 @@ def data():
     captions = [caption(left, right) for left, right in SCENES]
     swapped = [caption(right, left) for left, right in SCENES]
     assert not set(captions) & set(swapped)
-    return {"tok": tok, "images": images, "captions": captions,
-            "tokens": torch.from_numpy(tok.encode(captions)),
-            "swapped": torch.from_numpy(tok.encode(swapped))}
+    return {
+        "tok": tok,
+        "images": images,
+        "captions": captions,
+        "tokens": torch.from_numpy(tok.encode(captions)),
+        "swapped": torch.from_numpy(tok.encode(swapped)),
+    }
 
 
 def overfit(data, objective: str, steps: int, lr: float):
@@ -64,9 +76,19 @@ def overfit(data, objective: str, steps: int, lr: float):
     optimizer = build_optimizer(model, OptimConfig(lr=lr, weight_decay=0.0))
     scheduler = build_scheduler(optimizer, warmup=20, total=steps)
     generator = torch.Generator().manual_seed(0)
-    losses = [train_step(model, optimizer, scheduler, data["images"], data["tokens"],
-                         ObjectiveConfig(name=objective), grad_clip=1.0, generator=generator)["loss"]
-              for _ in range(steps)]
+    losses = [
+        train_step(
+            model,
+            optimizer,
+            scheduler,
+            data["images"],
+            data["tokens"],
+            ObjectiveConfig(name=objective),
+            grad_clip=1.0,
+            generator=generator,
+        )["loss"]
+        for _ in range(steps)
+    ]
     return model.eval(), losses
 
 
@@ -102,8 +124,9 @@ def test_diffusion_scores_prefer_the_true_relation(mdc_run, data):
     x, true, swapped = data["images"], data["tokens"], data["swapped"]
     pll_true, pll_swapped = pseudo_log_likelihood(model, x, true), pseudo_log_likelihood(model, x, swapped)
     assert (pll_true > pll_swapped).sum() >= 7, (pll_true, pll_swapped)
-    elbo_true, elbo_swapped = monte_carlo_elbo(model, x, [true, swapped], num_samples=8,
-                                               generator=torch.Generator().manual_seed(0))
+    elbo_true, elbo_swapped = monte_carlo_elbo(
+        model, x, [true, swapped], num_samples=8, generator=torch.Generator().manual_seed(0)
+    )
     assert (elbo_true > elbo_swapped).sum() >= 7, (elbo_true, elbo_swapped)
 
 

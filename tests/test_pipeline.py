@@ -24,10 +24,17 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 
 
 def tiny_config(tmp_path, name, train_uri, val_uri=None, endpoint=None, storage_uri=None, **train):
-    overrides = [f"name={name}", f"storage_uri={storage_uri or tmp_path / 'ckpt'}",
-                 f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"data.train_uri={train_uri}",
-                 f"data.val_uri={val_uri}" if val_uri else "data.val_uri=null", "data.max_length=16",
-                 "train.batch_size=8", "train.num_workers=2", "optim.warmup_steps=5"]
+    overrides = [
+        f"name={name}",
+        f"storage_uri={storage_uri or tmp_path / 'ckpt'}",
+        f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"data.train_uri={train_uri}",
+        f"data.val_uri={val_uri}" if val_uri else "data.val_uri=null",
+        "data.max_length=16",
+        "train.batch_size=8",
+        "train.num_workers=2",
+        "optim.warmup_steps=5",
+    ]
     if endpoint:
         overrides.append(f"data.endpoint_url={endpoint}")
     overrides += [f"train.{k}={v}" for k, v in train.items()]
@@ -75,12 +82,21 @@ def test_fsdp_training_from_bucket_counts_bad_records(ray_cluster, s3_server, tm
     """Two workers from a bucket, checkpoints uploaded to it in the background
     (train.async_checkpoint); the fault tests below save synchronously."""
     bucket = s3_server.make_bucket("train-from-s3")
-    write_shapes_dataset(f"{bucket}/shapes", num=300, seed=0, endpoint_url=s3_server.endpoint_url,
-                         samples_per_shard=50)
+    write_shapes_dataset(f"{bucket}/shapes", num=300, seed=0, endpoint_url=s3_server.endpoint_url, samples_per_shard=50)
     corrupt_shards(s3_server, bucket)
-    cfg = tiny_config(tmp_path, "s3-run", f"{bucket}/shapes/train", f"{bucket}/shapes/val",
-                      s3_server.endpoint_url, storage_uri=f"{bucket}/checkpoints",
-                      steps=40, checkpoint_every=20, log_every=10, val_every=20, async_checkpoint=True)
+    cfg = tiny_config(
+        tmp_path,
+        "s3-run",
+        f"{bucket}/shapes/train",
+        f"{bucket}/shapes/val",
+        s3_server.endpoint_url,
+        storage_uri=f"{bucket}/checkpoints",
+        steps=40,
+        checkpoint_every=20,
+        log_every=10,
+        val_every=20,
+        async_checkpoint=True,
+    )
     with ray_output_to(tmp_path / "ray.log"):
         summary = run_training(cfg)
         console = "".join(capfd.readouterr())
@@ -113,8 +129,16 @@ def _param_norm(state: dict) -> float:
 
 def fault_config(tmp_path, name, shapes_dir, max_failures, **train):
     """8 steps, complete checkpoints at steps 3, 6 and 8."""
-    return tiny_config(tmp_path, name, shapes_dir / "train", steps=8, checkpoint_every=3, log_every=2,
-                       max_failures=max_failures, **train)
+    return tiny_config(
+        tmp_path,
+        name,
+        shapes_dir / "train",
+        steps=8,
+        checkpoint_every=3,
+        log_every=2,
+        max_failures=max_failures,
+        **train,
+    )
 
 
 def resumed_from(cfg, run_id) -> list[float]:
@@ -175,8 +199,10 @@ def test_relaunch_skips_a_damaged_checkpoint(ray_cluster, shapes_dir, tmp_path):
 
 def test_unreachable_storage_fails_fast(ray_cluster, s3_server, tmp_path):
     closed = "http://127.0.0.1:9"  # discard port: nothing listens
-    for cfg in (tiny_config(tmp_path, "x", "s3://some-bucket/train", endpoint=closed),
-                tiny_config(tmp_path, "y", "s3://no-such-bucket/train", endpoint=s3_server.endpoint_url)):
+    for cfg in (
+        tiny_config(tmp_path, "x", "s3://some-bucket/train", endpoint=closed),
+        tiny_config(tmp_path, "y", "s3://no-such-bucket/train", endpoint=s3_server.endpoint_url),
+    ):
         start = time.monotonic()
         with pytest.raises(storage.StorageError, match=cfg.data.train_uri):
             run_training(cfg)
@@ -199,4 +225,8 @@ def test_ingest_streams_parquet_and_tar_alike(ray_cluster, tmp_path):
         assert batches[0]["image"].shape[1:] == (3, 32, 32)
         assert batches[0]["tokens"].shape[1] == 16
         assert ray.get(counter.get.remote()) == {}
-    assert counts["parquet"] == counts["webdataset"] == shards.read_manifest(str(tmp_path / "parquet"))["splits"]["train"]["num_samples"]
+    assert (
+        counts["parquet"]
+        == counts["webdataset"]
+        == shards.read_manifest(str(tmp_path / "parquet"))["splits"]["train"]["num_samples"]
+    )

@@ -3,8 +3,6 @@ compute, float32 gradient reduction) under a one-rank gloo group, for every obje
 registry and MDC's switches. CPU CI otherwise only runs float32, so a dtype mismatch would first
 show on a GPU, at step 1 (docs/design.md §11). No Ray."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -29,8 +27,10 @@ CASES = {name: [f"objective.name={name}"] for name in registry.OBJECTIVES} | {
 
 
 def bf16_run(overrides: list[str]):
-    cfg = load_config(None, ["model.preset=tiny", "model.decoder_layers=1", f"data.max_length={LENGTH}",
-                             "optim.ema_decay=0.9", *overrides])
+    cfg = load_config(
+        None,
+        ["model.preset=tiny", "model.decoder_layers=1", f"data.max_length={LENGTH}", "optim.ema_decay=0.9", *overrides],
+    )
     torch.manual_seed(0)
     model = registry.build_model(cfg, CaptionTokenizer)
     apply_fsdp(model, bf16=True)
@@ -54,16 +54,24 @@ def local_dtypes(tensors) -> set[torch.dtype]:
 def test_bf16_policy_trains_validates_scores_writes_and_checkpoints(case, tmp_path):
     cfg, model, optimizer, scheduler, ema = bf16_run(CASES[case])
     images, tokens = batch()
-    metrics = train_step(model, optimizer, scheduler, images, tokens, cfg.objective, cfg.optim.grad_clip,
-                         torch.Generator().manual_seed(2), ema)
+    metrics = train_step(
+        model,
+        optimizer,
+        scheduler,
+        images,
+        tokens,
+        cfg.objective,
+        cfg.optim.grad_clip,
+        torch.Generator().manual_seed(2),
+        ema,
+    )
     assert torch.isfinite(torch.tensor([metrics["loss"], metrics["grad_norm"]])).all(), metrics
     # what the GPU keeps in float32: sharded parameters, the optimiser's moments, the EMA
     assert local_dtypes(model.parameters()) == {torch.float32}
     assert local_dtypes(v for s in optimizer.state.values() for k, v in s.items() if k != "step") == {torch.float32}
     assert local_dtypes(ema.state_dict().values()) == {torch.float32}
 
-    val = validation_loss(model, [{"image": (images * 255).to(torch.uint8), "tokens": tokens}],
-                          cfg.objective, 0, "cpu")
+    val = validation_loss(model, [{"image": (images * 255).to(torch.uint8), "tokens": tokens}], cfg.objective, 0, "cpu")
     assert torch.isfinite(torch.tensor(val))
 
     # DCP save and restore into a fresh model with the same policy
@@ -86,8 +94,13 @@ def test_bf16_policy_trains_validates_scores_writes_and_checkpoints(case, tmp_pa
     plain = plain.to(torch.bfloat16).eval()
     entry = registry.objective(cfg.objective.name)
     _, score = get_scorer("auto", cfg.objective.name)
-    scores = score(plain, images, [["a red circle"] * len(images), ["a blue square"] * len(images)], 2,
-                   torch.Generator().manual_seed(3))
+    scores = score(
+        plain,
+        images,
+        [["a red circle"] * len(images), ["a blue square"] * len(images)],
+        2,
+        torch.Generator().manual_seed(3),
+    )
     assert scores.shape == (len(images), 2) and torch.isfinite(scores).all()
     if entry.write is not None:
         captions = registry.write_captions(plain, images, cfg.objective.name, LENGTH, steps=2)

@@ -16,22 +16,29 @@ PRIVATE = ("ray._private", "ray.data._internal")
 
 
 def test_every_private_name_used_exists_in_the_installed_ray():
-    missing = [f"{module}.{name}" for module, name in ray_private.USED
-               if not hasattr(importlib.import_module(module), name)]
+    missing = [
+        f"{module}.{name}" for module, name in ray_private.USED if not hasattr(importlib.import_module(module), name)
+    ]
     assert not missing, f"Ray {ray.__version__} lacks {missing}: adapt pipelines/ray_private.py"
 
 
 def test_the_installed_ray_is_one_the_private_module_was_tested_on():
     assert ray.__version__ in ray_private.TESTED_RAY_VERSIONS, (
         f"Ray {ray.__version__} is not in ray_private.TESTED_RAY_VERSIONS {ray_private.TESTED_RAY_VERSIONS}: "
-        "run the suite on it, then add it there and to pyproject.toml's range")
+        "run the suite on it, then add it there and to pyproject.toml's range"
+    )
 
 
 def private_imports(path: Path) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.startswith(PRIVATE)]
         if isinstance(node, ast.Attribute) and ast.unparse(node).startswith(PRIVATE):
             found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")

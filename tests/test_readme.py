@@ -77,6 +77,8 @@ def test_every_relative_link_resolves():
 def test_a_dead_link_and_a_missing_anchor_are_found(tmp_path):
     page = tmp_path / "page.md"
     (tmp_path / "there.md").write_text("# A heading, with `code`\n")
-    page.write_text("[ok](there.md) [ok](there.md#a-heading-with-code) [dead](gone.md) "
-                    "[no anchor](there.md#elsewhere) `[code](not-a-link.md)` [web](https://example.com)\n")
+    page.write_text(
+        "[ok](there.md) [ok](there.md#a-heading-with-code) [dead](gone.md) "
+        "[no anchor](there.md#elsewhere) `[code](not-a-link.md)` [web](https://example.com)\n"
+    )
     assert broken_links(page) == ["gone.md: no such file", "there.md#elsewhere: no such heading"]

@@ -50,12 +50,19 @@ def test_every_entry_trains_validates_scores_and_writes(name):
     validation = validation_objective(cfg.objective)
     assert validation == (cfg.objective if entry.validation is None else ObjectiveConfig(**entry.validation))
     with torch.no_grad():
-        assert math.isfinite(compute_loss(model, pixels, tokens, validation, torch.Generator().manual_seed(2))[0].item())
+        assert math.isfinite(
+            compute_loss(model, pixels, tokens, validation, torch.Generator().manual_seed(2))[0].item()
+        )
 
     scorer, score = comp.get_scorer("auto", name)
     assert scorer == entry.scorer and scorer in comp.SCORERS
-    scores = score(model, pixels[:2], [["a small red circle"] * 2, ["a large blue square"] * 2], samples=2,
-                   generator=torch.Generator().manual_seed(0))
+    scores = score(
+        model,
+        pixels[:2],
+        [["a small red circle"] * 2, ["a large blue square"] * 2],
+        samples=2,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert scores.shape == (2, 2) and torch.isfinite(scores).all()
 
     if entry.write is None:
@@ -68,8 +75,11 @@ def test_every_entry_trains_validates_scores_and_writes(name):
 
 def test_masking_objectives_are_validated_on_one_elbo_whatever_their_schedule():
     elbo = ObjectiveConfig(name="mdc", omega_l=T_MIN, omega_u=1.0, antithetic=True)
-    for objective in (ObjectiveConfig(name="mdc", omega_l=0.5), ObjectiveConfig(name="cmlm", omega_l=0.2),
-                      ObjectiveConfig(name="bert", mask_ratio=0.75)):
+    for objective in (
+        ObjectiveConfig(name="mdc", omega_l=0.5),
+        ObjectiveConfig(name="cmlm", omega_l=0.2),
+        ObjectiveConfig(name="bert", mask_ratio=0.75),
+    ):
         assert validation_objective(objective) == elbo
     assert validation_objective(ObjectiveConfig(name="cappa")) == ObjectiveConfig(name="ar")
     assert validation_objective(ObjectiveConfig(name="clip")) == ObjectiveConfig(name="clip")

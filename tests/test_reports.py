@@ -24,13 +24,22 @@ def test_demo_report_holds_every_caption_image_the_curves_and_the_tables(shapes_
     logger.flush()
 
     images = captioning.group_by_image(shards.read_shards(str(shapes_dir / "val")), 5)
-    captions = {"sampler": "confidence", "num_images": len(images),
-                "lengths": {"10": {"bleu4": 0.25, "cider": 1.5, "captions_per_s": 40.0}},
-                "captions": [{"key": img.key, "references": img.references, "generated": {"10": f"caption <{i}>"}}
-                             for i, img in enumerate(images)]}
-    evaluation = {"probe_accuracy": 0.8, "probe_random_init_accuracy": 0.5, "compositionality_scorer": "montecarlo",
-                  "compositionality": {"vg_relation": 0.9, "vg_attribution": 0.7},
-                  "compositionality_blind": {"vg_relation": 0.5, "vg_attribution": 0.52}}
+    captions = {
+        "sampler": "confidence",
+        "num_images": len(images),
+        "lengths": {"10": {"bleu4": 0.25, "cider": 1.5, "captions_per_s": 40.0}},
+        "captions": [
+            {"key": img.key, "references": img.references, "generated": {"10": f"caption <{i}>"}}
+            for i, img in enumerate(images)
+        ],
+    }
+    evaluation = {
+        "probe_accuracy": 0.8,
+        "probe_random_init_accuracy": 0.5,
+        "compositionality_scorer": "montecarlo",
+        "compositionality": {"vg_relation": 0.9, "vg_attribution": 0.7},
+        "compositionality_blind": {"vg_relation": 0.5, "vg_attribution": 0.52},
+    }
     path = write_report(tmp_path, cfg, SimpleNamespace(mlflow_run_id=run_id), evaluation, images, captions)
 
     page = path.read_text()
@@ -50,12 +59,22 @@ def test_curves_follow_the_logged_history(tmp_path):
     logger.log({"loss": 3.0}, 1)
     logger.log({"loss": 2.0, "val_loss": 2.5}, 2)
     logger.flush()
-    assert tracking.metric_history(uri, run_id, reports.CURVES) == {"loss": [(1, 3.0), (2, 2.0)], "val_loss": [(2, 2.5)]}
+    assert tracking.metric_history(uri, run_id, reports.CURVES) == {
+        "loss": [(1, 3.0), (2, 2.0)],
+        "val_loss": [(2, 2.5)],
+    }
 
 
 def _claim(low, high, verdict, expect="greater", margin=0.0):
-    return {"name": f"claim {low}", "ci_low": low, "ci_high": high, "mean_diff": (low + high) / 2,
-            "verdict": verdict, "expect": expect, "margin": margin}
+    return {
+        "name": f"claim {low}",
+        "ci_low": low,
+        "ci_high": high,
+        "mean_diff": (low + high) / 2,
+        "verdict": verdict,
+        "expect": expect,
+        "margin": margin,
+    }
 
 
 def test_each_claim_row_has_its_own_scale_holding_its_interval_and_zero(tmp_path):

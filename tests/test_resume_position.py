@@ -56,11 +56,14 @@ class Actor:
 
 
 def two_shards(tmp_path, damaged=False):
-    write_img2dataset_folder(generated_rows(20, image_size=32, failed_every=0), str(tmp_path), "webdataset",
-                             samples_per_shard=10)
+    write_img2dataset_folder(
+        generated_rows(20, image_size=32, failed_every=0), str(tmp_path), "webdataset", samples_per_shard=10
+    )
     counts = damage_folder(str(tmp_path), "webdataset") if damaged else {}
-    return {"shard": np.array([str(tmp_path / "00000.tar"), str(tmp_path / "00001.tar")]),
-            "index": np.array([0, 1])}, counts
+    return {
+        "shard": np.array([str(tmp_path / "00000.tar"), str(tmp_path / "00001.tar")]),
+        "index": np.array([0, 1]),
+    }, counts
 
 
 @pytest.fixture
@@ -122,17 +125,38 @@ def test_a_resumed_run_trains_the_rest_of_its_epoch(ray_cluster, tmp_path):
     shards in flight at the checkpoint twice, and every checkpoint holds what was consumed."""
     from pipelines.train import Fault, run_training
 
-    write_img2dataset_folder(generated_rows(SHARDS * ROWS_PER_SHARD, image_size=32, failed_every=0),
-                             str(tmp_path / "data"), "webdataset", samples_per_shard=ROWS_PER_SHARD)
-    cfg = load_config(None, ["name=resume", f"storage_uri={tmp_path / 'ckpt'}",
-                             f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"data.train_uri={tmp_path / 'data'}",
-                             "data.val_uri=null", "data.max_length=16", "data.shuffle_buffer=0",
-                             "train.batch_size=8", "train.num_workers=2", "train.steps=17", "train.log_every=1",
-                             "train.checkpoint_every=3", "train.keep_checkpoints=10", "train.max_failures=1",
-                             "optim.warmup_steps=1"])
+    write_img2dataset_folder(
+        generated_rows(SHARDS * ROWS_PER_SHARD, image_size=32, failed_every=0),
+        str(tmp_path / "data"),
+        "webdataset",
+        samples_per_shard=ROWS_PER_SHARD,
+    )
+    cfg = load_config(
+        None,
+        [
+            "name=resume",
+            f"storage_uri={tmp_path / 'ckpt'}",
+            f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"data.train_uri={tmp_path / 'data'}",
+            "data.val_uri=null",
+            "data.max_length=16",
+            "data.shuffle_buffer=0",
+            "train.batch_size=8",
+            "train.num_workers=2",
+            "train.steps=17",
+            "train.log_every=1",
+            "train.checkpoint_every=3",
+            "train.keep_checkpoints=10",
+            "train.max_failures=1",
+            "optim.warmup_steps=1",
+        ],
+    )
     (tmp_path / "rows").mkdir()
-    summary = run_training(cfg, fault=Fault(step=3, rank=1, marker=str(tmp_path / "fired"), at="committed"),
-                           trained_rows_dir=str(tmp_path / "rows"))
+    summary = run_training(
+        cfg,
+        fault=Fault(step=3, rank=1, marker=str(tmp_path / "fired"), at="committed"),
+        trained_rows_dir=str(tmp_path / "rows"),
+    )
     assert (tmp_path / "fired").exists() and summary.metrics["step"] == 17
 
     rows = trained_rows(tmp_path / "rows")
@@ -154,8 +178,9 @@ def test_a_resumed_run_trains_the_rest_of_its_epoch(ray_cluster, tmp_path):
         since = Counter(s for _, e, t, s, _ in rows if e == epoch and first <= t <= step)
         expected = carried | {s for s, n in since.items() if n == ROWS_PER_SHARD}
         for rank in (0, 1):
-            saved = json.loads((tmp_path / "ckpt" / "resume" / f"checkpoint_{step:08d}" /
-                                f"extra_rank{rank}.json").read_text())["data_position"]
+            saved = json.loads(
+                (tmp_path / "ckpt" / "resume" / f"checkpoint_{step:08d}" / f"extra_rank{rank}.json").read_text()
+            )["data_position"]
             assert (saved["epoch"], set(saved["consumed"])) == (epoch, expected), (step, rank)
     assert set(before) | set(after) == every_row  # none lost
     assert len(before) == len(set(before)) and len(after) == len(set(after))

@@ -37,8 +37,15 @@ def test_ancestral_uses_every_step_and_leaves_no_mask(model, monkeypatch, steps)
     """The last step goes to s = 0, so it commits whatever is still masked: one call per step,
     none after (with 20 positions an early finish is all but impossible at these seeds)."""
     calls = record_decode(model, monkeypatch)
-    out = sample_masked(model, images(), length=10, strategy="ancestral", steps=steps,
-                        temperature=1.0, generator=torch.Generator().manual_seed(1))
+    out = sample_masked(
+        model,
+        images(),
+        length=10,
+        strategy="ancestral",
+        steps=steps,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(1),
+    )
     assert out.shape == (2, 10)
     assert not ((out == MASK) | (out == PAD)).any()
     assert len(calls) == steps
@@ -50,8 +57,9 @@ def test_ancestral_unmasks_a_share_of_t_minus_s_over_t(model, monkeypatch):
     are committed. 1,024 positions; each share within 4 binomial standard errors (≤ 0.09), where
     a share of t − s (1/4 each step) would be 5 and 11 of them off at the second and third."""
     calls = record_decode(model, monkeypatch)
-    sample_masked(model, images(128), length=8, strategy="ancestral", steps=4,
-                  generator=torch.Generator().manual_seed(2))
+    sample_masked(
+        model, images(128), length=8, strategy="ancestral", steps=4, generator=torch.Generator().manual_seed(2)
+    )
     still_masked = [int((tokens == MASK).sum()) for tokens, _ in calls]
     assert len(still_masked) == 4 and still_masked[0] == 1024
     for step, (before, after) in enumerate(zip(still_masked, still_masked[1:])):
@@ -91,8 +99,9 @@ def test_infilling_keeps_given_tokens(model, strategy):
     holes = torch.rand(3, 12, generator=torch.Generator().manual_seed(4)) < 0.5
     tokens = torch.where(holes, MASK, given)
     tokens[2, 9:] = PAD
-    out = sample_masked(model, images(3), tokens=tokens, strategy=strategy, temperature=1.0,
-                        generator=torch.Generator().manual_seed(5))
+    out = sample_masked(
+        model, images(3), tokens=tokens, strategy=strategy, temperature=1.0, generator=torch.Generator().manual_seed(5)
+    )
     assert torch.equal(out[tokens != MASK], tokens[tokens != MASK])
     assert not (out == MASK).any()
     assert not (out[tokens == MASK] == PAD).any()
@@ -136,5 +145,5 @@ def test_kv_cache_logits_match_causal_logits(model):
     image_kv = model.image_keys_values(model.encode(x))
     full = model.decode(tokens, image_kv, causal=True)
     cache = [{} for _ in model.blocks]
-    steps = [model.decode(tokens[:, i:i + 1], image_kv, cache=cache, offset=i) for i in range(7)]
+    steps = [model.decode(tokens[:, i : i + 1], image_kv, cache=cache, offset=i) for i in range(7)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)

@@ -49,13 +49,16 @@ def test_total_comes_from_the_manifest_beside_the_split(tmp_path):
     assert read_dataset_manifest(str(tmp_path / "nothing"))[1] == {}
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--sizes", "50,200"], "larger than the 100 pairs"),
-    (["--sizes", "5Q"], "--sizes: '5Q'"),
-    (["--sizes", "50"], "manifest.json: no field class_names"),
-    (["--sizes", "50", "--probe-dataset", "mnist9"], "--probe-dataset 'mnist9'"),
-    (["--sizes", "50", "model.preset=huge"], "model.preset"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--sizes", "50,200"], "larger than the 100 pairs"),
+        (["--sizes", "5Q"], "--sizes: '5Q'"),
+        (["--sizes", "50"], "manifest.json: no field class_names"),
+        (["--sizes", "50", "--probe-dataset", "mnist9"], "--probe-dataset 'mnist9'"),
+        (["--sizes", "50", "model.preset=huge"], "model.preset"),
+    ],
+)
 def test_bad_inputs_fail_before_any_training(tmp_path, extra, message):
     shards.write_manifest(str(tmp_path), {"splits": {"train": {"num_samples": 100}}})
     result = CliRunner().invoke(app, ["scaling", "--data", str(tmp_path / "train"), "--name", "x", *extra])
@@ -71,17 +74,33 @@ def _children(client, parent):
 @pytest.mark.timeout(420)
 def test_scaling_curve_under_one_parent_and_rerun_trains_nothing(ray_cluster, shapes_dir, tmp_path):
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    args = ["scaling", "--sizes", "60,200", "--data", str(shapes_dir / "train"), "--name", "tiny",
-            "--storage", str(tmp_path / "ckpt"), "--mlflow-uri", mlflow_uri,
-            "data.val_uri=null", "data.max_length=16", "train.batch_size=8", "train.num_workers=1",
-            "train.cpus_per_worker=0.5", "train.steps=6", "train.checkpoint_every=6", "train.log_every=3",
-            "optim.warmup_steps=2"]
+    args = [
+        "scaling",
+        "--sizes",
+        "60,200",
+        "--data",
+        str(shapes_dir / "train"),
+        "--name",
+        "tiny",
+        "--storage",
+        str(tmp_path / "ckpt"),
+        "--mlflow-uri",
+        mlflow_uri,
+        "data.val_uri=null",
+        "data.max_length=16",
+        "train.batch_size=8",
+        "train.num_workers=1",
+        "train.cpus_per_worker=0.5",
+        "train.steps=6",
+        "train.checkpoint_every=6",
+        "train.log_every=3",
+        "optim.warmup_steps=2",
+    ]
     first = CliRunner().invoke(app, args)
     assert first.exit_code == 0, first.output[-3000:]
 
     client = MlflowClient(mlflow_uri)
-    [parent] = client.search_runs([client.get_experiment_by_name("mdc").experiment_id],
-                                  "tags.`mdc.run_name` = 'tiny'")
+    [parent] = client.search_runs([client.get_experiment_by_name("mdc").experiment_id], "tags.`mdc.run_name` = 'tiny'")
     assert parent.info.status == "FINISHED"
     children = _children(client, parent)
     assert sorted(children) == ["tiny-200", "tiny-60"]
@@ -104,6 +123,7 @@ def test_scaling_curve_under_one_parent_and_rerun_trains_nothing(ray_cluster, sh
     assert again.exit_code == 0, again.output[-3000:]
     assert again.output.count("done before") == 2
     rerun = _children(client, parent)
-    assert {n: (r.info.start_time, r.info.end_time) for n, r in rerun.items()} == \
-        {n: (r.info.start_time, r.info.end_time) for n, r in children.items()}
+    assert {n: (r.info.start_time, r.info.end_time) for n, r in rerun.items()} == {
+        n: (r.info.start_time, r.info.end_time) for n, r in children.items()
+    }
     assert len(client.get_metric_history(parent.info.run_id, "scaling/probe_accuracy")) == 2

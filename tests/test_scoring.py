@@ -2,11 +2,10 @@ import math
 
 import pytest
 import torch
+from helpers import ConstantNLL
 
 from mdc.models.captioner import Captioner
 from mdc.scoring import autoregressive_score, monte_carlo_elbo, pseudo_log_likelihood
-
-from helpers import ConstantNLL
 
 MASK, PAD, BOS, EOS = 49408, 49409, 49406, 49407
 
@@ -42,7 +41,7 @@ def test_autoregressive_score_is_the_sum_of_next_token_log_probs(model):
         expected = 0.0
         for j, target in enumerate([*caption, EOS]):
             prefix = torch.tensor([[BOS, *caption[:j]]])
-            expected += log_prob(model(x[b:b + 1], prefix, causal=True)[0, -1], target)
+            expected += log_prob(model(x[b : b + 1], prefix, causal=True)[0, -1], target)
         assert score[b].item() == pytest.approx(expected, rel=1e-4)
 
 
@@ -54,8 +53,8 @@ def test_pseudo_log_likelihood_matches_a_hand_loop(model):
         caption = [int(c) for c in tokens[b] if c != PAD]
         expected = 0.0
         for i, target in enumerate(caption):
-            noisy = torch.tensor([caption[:i] + [MASK] + caption[i + 1:]])
-            expected += log_prob(model(x[b:b + 1], noisy)[0, i], target)
+            noisy = torch.tensor([caption[:i] + [MASK] + caption[i + 1 :]])
+            expected += log_prob(model(x[b : b + 1], noisy)[0, i], target)
         assert pll[b].item() == pytest.approx(expected, rel=1e-4)
 
 
@@ -63,8 +62,9 @@ def test_pseudo_log_likelihood_matches_a_hand_loop(model):
 def test_monte_carlo_elbo_matches_a_hand_estimate(model):
     x, tokens = images(3), captions()
     k, lo, hi = 5, 0.2, 0.9
-    (estimate,) = monte_carlo_elbo(model, x, [tokens], num_samples=k, omega_l=lo, omega_u=hi,
-                                   generator=torch.Generator().manual_seed(2))
+    (estimate,) = monte_carlo_elbo(
+        model, x, [tokens], num_samples=k, omega_l=lo, omega_u=hi, generator=torch.Generator().manual_seed(2)
+    )
     # the same draws: one t per stratum of [lo, hi] for each of the k samples, then the uniforms
     g = torch.Generator().manual_seed(2)
     t = lo + (hi - lo) * (torch.arange(k)[:, None] + torch.rand(k, 3, generator=g)) / k
@@ -73,9 +73,9 @@ def test_monte_carlo_elbo_matches_a_hand_estimate(model):
         total = 0.0
         for s in range(k):
             masked = [i for i in range(8) if tokens[b, i] != PAD and u[s, b, i] < t[s, b]]
-            noisy = tokens[b:b + 1].clone()
+            noisy = tokens[b : b + 1].clone()
             noisy[0, masked] = MASK
-            logits = model(x[b:b + 1], noisy)[0]
+            logits = model(x[b : b + 1], noisy)[0]
             total += sum(log_prob(logits[i], int(tokens[b, i])) for i in masked) / t[s, b].item()
         assert estimate[b].item() == pytest.approx(total / k, rel=1e-4, abs=1e-4)
 
@@ -87,8 +87,7 @@ def test_monte_carlo_elbo_shares_draws_across_lengths(model):
     short = tokens[:, :6].clone()
     short[0, 5] = PAD
     padded = torch.cat([short, torch.full((3, 2), PAD)], dim=1)
-    a, b = monte_carlo_elbo(model, x, [short, padded], num_samples=4,
-                            generator=torch.Generator().manual_seed(3))
+    a, b = monte_carlo_elbo(model, x, [short, padded], num_samples=4, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
@@ -101,9 +100,14 @@ def test_common_random_numbers_lower_the_variance_of_differences(model):
     def differences(crn: bool) -> torch.Tensor:
         diffs = []
         for seed in range(30):
-            a, b = monte_carlo_elbo(model, x, [tokens, rival], num_samples=2,
-                                    common_random_numbers=crn,
-                                    generator=torch.Generator().manual_seed(seed))
+            a, b = monte_carlo_elbo(
+                model,
+                x,
+                [tokens, rival],
+                num_samples=2,
+                common_random_numbers=crn,
+                generator=torch.Generator().manual_seed(seed),
+            )
             diffs.append(a - b)
         return torch.stack(diffs)
 
@@ -122,8 +126,15 @@ def test_monte_carlo_elbo_is_unbiased_for_every_caption_length(length, omega_l, 
     tokens = torch.where(torch.arange(8) < length, 0, PAD).repeat(32, 1)
     truth = -length * math.log(model.vocab)
     generator = torch.Generator().manual_seed(length)
-    ratios = torch.cat([monte_carlo_elbo(model, torch.zeros(32, 1), [tokens], num_samples=8, omega_l=omega_l,
-                                         generator=generator)[0] / truth for _ in range(rounds)])
+    ratios = torch.cat(
+        [
+            monte_carlo_elbo(model, torch.zeros(32, 1), [tokens], num_samples=8, omega_l=omega_l, generator=generator)[
+                0
+            ]
+            / truth
+            for _ in range(rounds)
+        ]
+    )
     standard_error = ratios.std().item() / math.sqrt(len(ratios))
     assert standard_error < tolerance / 4
     assert abs(ratios.mean().item() - 1.0) < tolerance, (ratios.mean(), standard_error)

@@ -55,6 +55,7 @@ CORRUPT_JPEG = GOOD_JPEG[:200]  # header intact, scan data cut: opens but cannot
 
 # ------------------------------------------------------------------------------------ round trips
 
+
 @pytest.mark.parametrize("format", ["webdataset", "parquet"])
 def test_round_trip_keys_captions_meta_pixels(tmp_path, format):
     samples, pixels = make_samples(7)
@@ -108,23 +109,42 @@ def test_key_fraction_is_stable_and_nested():
 
 # ----------------------------------------------------------------------------------- bad records
 
+
 def test_bad_tar_records_are_skipped_and_counted():
-    data = tar_of([
-        ("good1.jpg", GOOD_JPEG), ("good1.txt", b"a dog"),
-        ("empty.jpg", GOOD_JPEG), ("empty.txt", b"  \n "),
-        ("latin1.jpg", GOOD_JPEG), ("latin1.txt", "café".encode("latin-1")),
-        ("nocap.jpg", GOOD_JPEG), ("nocap.json", b"{}"),
-        ("noimg.txt", b"text only"),
-        ("badjson.jpg", GOOD_JPEG), ("badjson.txt", b"ok"), ("badjson.json", b"{not json"),
-        ("corrupt.jpg", CORRUPT_JPEG), ("corrupt.txt", b"a broken picture"),
-        ("good2.png", encode(random_rgb(1), "PNG")), ("good2.txt", "  a cat \n".encode()),
-    ])
+    data = tar_of(
+        [
+            ("good1.jpg", GOOD_JPEG),
+            ("good1.txt", b"a dog"),
+            ("empty.jpg", GOOD_JPEG),
+            ("empty.txt", b"  \n "),
+            ("latin1.jpg", GOOD_JPEG),
+            ("latin1.txt", "café".encode("latin-1")),
+            ("nocap.jpg", GOOD_JPEG),
+            ("nocap.json", b"{}"),
+            ("noimg.txt", b"text only"),
+            ("badjson.jpg", GOOD_JPEG),
+            ("badjson.txt", b"ok"),
+            ("badjson.json", b"{not json"),
+            ("corrupt.jpg", CORRUPT_JPEG),
+            ("corrupt.txt", b"a broken picture"),
+            ("good2.png", encode(random_rgb(1), "PNG")),
+            ("good2.txt", b"  a cat \n"),
+        ]
+    )
     skips = Counter()
     samples = list(shards.iter_tar(io.BytesIO(data), "mem.tar", skips))
     assert [(s.key, s.caption) for s in samples] == [
-        ("good1", "a dog"), ("corrupt", "a broken picture"), ("good2", "a cat")]
-    assert skips == {shards.EMPTY_CAPTION: 1, shards.NON_UTF8_CAPTION: 1, shards.MISSING_CAPTION: 1,
-                     shards.MISSING_IMAGE: 1, shards.INVALID_JSON: 1}
+        ("good1", "a dog"),
+        ("corrupt", "a broken picture"),
+        ("good2", "a cat"),
+    ]
+    assert skips == {
+        shards.EMPTY_CAPTION: 1,
+        shards.NON_UTF8_CAPTION: 1,
+        shards.MISSING_CAPTION: 1,
+        shards.MISSING_IMAGE: 1,
+        shards.INVALID_JSON: 1,
+    }
 
     # decodability is checked by the decode step, which the caller counts
     batch, ok = preprocess_batch([s.image for s in samples], image_size=8)
@@ -134,21 +154,27 @@ def test_bad_tar_records_are_skipped_and_counted():
 
 
 def test_bad_parquet_records_are_skipped_and_counted():
-    table = pa.table({
-        "key": ["good", "empty", "nocap", "noimg", "badjson", "good2"],
-        "jpg": [GOOD_JPEG, GOOD_JPEG, GOOD_JPEG, None, GOOD_JPEG, GOOD_JPEG],
-        "txt": ["a dog", " ", None, "text", "ok", "a cat"],
-        "json": [None, None, None, None, "{oops", '{"label": 3}'],
-    })
+    table = pa.table(
+        {
+            "key": ["good", "empty", "nocap", "noimg", "badjson", "good2"],
+            "jpg": [GOOD_JPEG, GOOD_JPEG, GOOD_JPEG, None, GOOD_JPEG, GOOD_JPEG],
+            "txt": ["a dog", " ", None, "text", "ok", "a cat"],
+            "json": [None, None, None, None, "{oops", '{"label": 3}'],
+        }
+    )
     skips = Counter()
     samples = list(shards.iter_parquet_batches(table.to_batches(), "mem.parquet", skips))
     assert [(s.key, s.caption, s.meta) for s in samples] == [("good", "a dog", None), ("good2", "a cat", {"label": 3})]
-    assert skips == {shards.EMPTY_CAPTION: 1, shards.MISSING_CAPTION: 1, shards.MISSING_IMAGE: 1,
-                     shards.INVALID_JSON: 1}
+    assert skips == {
+        shards.EMPTY_CAPTION: 1,
+        shards.MISSING_CAPTION: 1,
+        shards.MISSING_IMAGE: 1,
+        shards.INVALID_JSON: 1,
+    }
 
 
 def test_parquet_binary_caption_column_counts_non_utf8_and_accepts_img2dataset_names():
-    table = pa.table({"image": [GOOD_JPEG, GOOD_JPEG], "caption": [b"\xff\xfe", "fine".encode()]})
+    table = pa.table({"image": [GOOD_JPEG, GOOD_JPEG], "caption": [b"\xff\xfe", b"fine"]})
     skips = Counter()
     samples = list(shards.iter_parquet_batches(table.to_batches(), "mem.parquet", skips))
     assert [s.caption for s in samples] == ["fine"]
@@ -167,8 +193,12 @@ def test_truncated_tar_yields_complete_samples_before_the_damage(tmp_path, caplo
     data = open(uri, "rb").read()
     offsets = {m.name: m.offset for m in tarfile.open(fileobj=io.BytesIO(data))}
     k2 = offsets["k2.jpg"]
-    cut = {"inside member data": data[:k2 + 512 + 100], "inside a header": data[:k2 + 200],
-           "at a member boundary": data[:offsets["k2.json"]], "garbage": b"not a tar at all" * 100}[where]
+    cut = {
+        "inside member data": data[: k2 + 512 + 100],
+        "inside a header": data[: k2 + 200],
+        "at a member boundary": data[: offsets["k2.json"]],
+        "garbage": b"not a tar at all" * 100,
+    }[where]
     skips = Counter()
     keys = [s.key for s in shards.iter_tar(io.BytesIO(cut), "cut.tar", skips)]
     # a cut header hides whether it belonged to k1 (say k1.json), so k1 is dropped as possibly incomplete
@@ -200,6 +230,7 @@ def test_manifest_round_trip(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- images
+
 
 def test_decode_composites_transparency_on_white():
     rgba = np.zeros((4, 4, 4), dtype=np.uint8)

@@ -3,10 +3,10 @@
 import time
 
 import pytest
+from helpers import closed_port
 
 from mdc.data import shapes, shards, storage
 from mdc.data.shards import Sample
-from helpers import closed_port
 
 PNG = shapes.make_shape(0, seed=0).image
 
@@ -16,7 +16,10 @@ def test_local_listing_is_recursive_sorted_and_filtered(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"x")
     assert storage.list_files(str(tmp_path), (".tar", ".parquet")) == [
-        str(tmp_path / "a/shard-0.parquet"), str(tmp_path / "b/shard-1.tar"), str(tmp_path / "c.tar")]
+        str(tmp_path / "a/shard-0.parquet"),
+        str(tmp_path / "b/shard-1.tar"),
+        str(tmp_path / "c.tar"),
+    ]
     assert storage.list_files(str(tmp_path / "c.tar"), (".tar",)) == [str(tmp_path / "c.tar")]
     with pytest.raises(storage.StorageError, match="missing"):
         storage.list_files(str(tmp_path / "missing"))
@@ -54,8 +57,9 @@ def test_s3_endpoint_from_environment(s3_server, monkeypatch):
 
 def test_shapes_dataset_on_s3(s3_server):
     bucket = s3_server.make_bucket("shapes-data")
-    manifest = shapes.write_shapes_dataset(f"{bucket}/shapes", num=40, seed=0, val_fraction=0.3,
-                                           endpoint_url=s3_server.endpoint_url)
+    manifest = shapes.write_shapes_dataset(
+        f"{bucket}/shapes", num=40, seed=0, val_fraction=0.3, endpoint_url=s3_server.endpoint_url
+    )
     assert shards.read_manifest(f"{bucket}/shapes", s3_server.endpoint_url) == manifest
     images = storage.list_files(f"{bucket}/shapes/compositionality/images", (".png",), s3_server.endpoint_url)
     assert len(images) == manifest["compositionality"]["num_pairs"] > 0
@@ -64,9 +68,11 @@ def test_shapes_dataset_on_s3(s3_server):
 def test_unreachable_endpoint_fails_fast_naming_the_uri(s3_server, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "very-secret-value")
     endpoint = f"http://127.0.0.1:{closed_port()}"
-    for call in (lambda: storage.check_reachable("s3://some-bucket/prefix", endpoint),
-                 lambda: list(shards.read_shards("s3://some-bucket/prefix", endpoint)),
-                 lambda: shards.write_shards([Sample("k", PNG, "c")], "s3://some-bucket/out", "parquet", 1, endpoint)):
+    for call in (
+        lambda: storage.check_reachable("s3://some-bucket/prefix", endpoint),
+        lambda: list(shards.read_shards("s3://some-bucket/prefix", endpoint)),
+        lambda: shards.write_shards([Sample("k", PNG, "c")], "s3://some-bucket/out", "parquet", 1, endpoint),
+    ):
         start = time.monotonic()
         with pytest.raises(storage.StorageError, match="s3://some-bucket/") as info:
             call()
@@ -79,8 +85,7 @@ def test_missing_bucket_or_prefix_fails_fast_naming_the_uri(s3_server):
     with pytest.raises(storage.StorageError, match="bucket 'no-such-bucket' does not exist: s3://no-such-bucket/p"):
         storage.check_reachable("s3://no-such-bucket/p", s3_server.endpoint_url)
     with pytest.raises(storage.StorageError, match="no-such-bucket"):
-        shards.write_shards([Sample("k", PNG, "c")], "s3://no-such-bucket/out", "webdataset", 1,
-                            s3_server.endpoint_url)
+        shards.write_shards([Sample("k", PNG, "c")], "s3://no-such-bucket/out", "webdataset", 1, s3_server.endpoint_url)
     bucket = s3_server.make_bucket("has-no-prefix")
     with pytest.raises(storage.StorageError, match="does not exist: s3://has-no-prefix/nothing/here"):
         storage.check_reachable(f"{bucket}/nothing/here", s3_server.endpoint_url)

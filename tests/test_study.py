@@ -19,11 +19,14 @@ SMOKE = Path(__file__).resolve().parent.parent / "studies" / "smoke.yaml"
 T975 = {1: 12.706204736174707, 2: 4.302652729749462, 4: 2.7764451051977987}
 
 
-@pytest.mark.parametrize("a, b, mean, sd", [
-    ([1.0, 2.0, 3.0], [0.0, 0.0, 0.0], 2.0, 1.0),
-    ([0.5, 0.7], [0.4, 0.4], 0.2, math.sqrt(0.02)),
-    ([3.0, 1.0, 2.0, 2.5, 1.5], [1.0, 1.0, 1.0, 1.0, 1.0], 1.0, math.sqrt(0.625)),
-])
+@pytest.mark.parametrize(
+    "a, b, mean, sd",
+    [
+        ([1.0, 2.0, 3.0], [0.0, 0.0, 0.0], 2.0, 1.0),
+        ([0.5, 0.7], [0.4, 0.4], 0.2, math.sqrt(0.02)),
+        ([3.0, 1.0, 2.0, 2.5, 1.5], [1.0, 1.0, 1.0, 1.0, 1.0], 1.0, math.sqrt(0.625)),
+    ],
+)
 def test_paired_interval_is_mean_plus_minus_t_times_standard_error(a, b, mean, sd):
     n = len(a)
     got_mean, low, high = paired_interval(a, b)
@@ -51,9 +54,17 @@ def test_runs_built_alike_share_one_random_init_probe(monkeypatch):
 
     probed = []
     monkeypatch.setattr(study, "_RANDOM_INIT_PROBES", {})
-    monkeypatch.setattr(study.probe, "probe_shapes", lambda model, uri, endpoint: probed.append(uri) or {"accuracy": 0.5})
-    for overrides in (["objective.name=mdc"], ["objective.name=cmlm"], ["objective.name=bert", "objective.mask_ratio=0.75"],
-                      ["objective.name=mdc", "train.seed=1"], ["objective.name=clip"], ["objective.name=mdc"]):
+    monkeypatch.setattr(
+        study.probe, "probe_shapes", lambda model, uri, endpoint: probed.append(uri) or {"accuracy": 0.5}
+    )
+    for overrides in (
+        ["objective.name=mdc"],
+        ["objective.name=cmlm"],
+        ["objective.name=bert", "objective.mask_ratio=0.75"],
+        ["objective.name=mdc", "train.seed=1"],
+        ["objective.name=clip"],
+        ["objective.name=mdc"],
+    ):
         assert study.random_init_probe(load_config(None, overrides), "data/shapes") == 0.5
     assert study.random_init_probe(load_config(None, ["objective.name=mdc"]), "data/other") == 0.5
     assert len(probed) == 4  # the masked three at seed 0, seed 1, CLIP, other data
@@ -68,22 +79,35 @@ def write_plan(tmp_path, **changes) -> Path:
     return path
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"seeds": [0]}, r"seeds: List should have at least 2 items"),
-    ({"seeds": [1, 1]}, r"seeds must be distinct"),
-    ({"claims": [{"name": "x", "metric": "probe_accuracy", "arm_a": "mdc", "arm_b": "gpt"}]},
-     r"claims.0.arm_b: 'gpt' is not one of the arms"),
-    ({"claims": [{"name": "x", "metric": "accuracy", "arm_a": "mdc", "arm_b": "cmlm"}]},
-     r"claims.0.metric: unknown metric 'accuracy'"),
-    ({"claims": [{"name": "x", "metric": "captions/N20/cider", "arm_a": "mdc", "arm_b": "cmlm"}]},
-     r"claims.0.metric: 'captions/N20/cider' needs 20 in evaluations.caption_lengths"),
-    ({"arms": {"mdc": {"data": "coco"}, "cmlm": {}}}, r"arms.mdc.data: 'coco' is not one of the datasets"),
-    ({"budget": {"train.stepz": 3}}, r"unknown field"),
-    ({"evaluations": {"probe": False}}, r"claims.0.metric: 'probe_accuracy' needs evaluations.probe: true"),
-    ({"datasets": {"shapes": {"kind": "shapes", "num": 40, "max_objects": 1}},
-      "claims": [{"name": "x", "metric": "compositionality_accuracy", "arm_a": "mdc", "arm_b": "cmlm"}]},
-     r"claims.0.metric: arm 'mdc' trains on data with no compositionality pairs"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"seeds": [0]}, r"seeds: List should have at least 2 items"),
+        ({"seeds": [1, 1]}, r"seeds must be distinct"),
+        (
+            {"claims": [{"name": "x", "metric": "probe_accuracy", "arm_a": "mdc", "arm_b": "gpt"}]},
+            r"claims.0.arm_b: 'gpt' is not one of the arms",
+        ),
+        (
+            {"claims": [{"name": "x", "metric": "accuracy", "arm_a": "mdc", "arm_b": "cmlm"}]},
+            r"claims.0.metric: unknown metric 'accuracy'",
+        ),
+        (
+            {"claims": [{"name": "x", "metric": "captions/N20/cider", "arm_a": "mdc", "arm_b": "cmlm"}]},
+            r"claims.0.metric: 'captions/N20/cider' needs 20 in evaluations.caption_lengths",
+        ),
+        ({"arms": {"mdc": {"data": "coco"}, "cmlm": {}}}, r"arms.mdc.data: 'coco' is not one of the datasets"),
+        ({"budget": {"train.stepz": 3}}, r"unknown field"),
+        ({"evaluations": {"probe": False}}, r"claims.0.metric: 'probe_accuracy' needs evaluations.probe: true"),
+        (
+            {
+                "datasets": {"shapes": {"kind": "shapes", "num": 40, "max_objects": 1}},
+                "claims": [{"name": "x", "metric": "compositionality_accuracy", "arm_a": "mdc", "arm_b": "cmlm"}],
+            },
+            r"claims.0.metric: arm 'mdc' trains on data with no compositionality pairs",
+        ),
+    ],
+)
 def test_plan_errors_name_the_field(tmp_path, changes, message):
     path = write_plan(tmp_path, **changes)
     with pytest.raises(StudyError, match=message):
@@ -91,8 +115,10 @@ def test_plan_errors_name_the_field(tmp_path, changes, message):
 
 
 def test_an_arm_config_error_names_the_arm_and_the_field(tmp_path):
-    path = write_plan(tmp_path, arms={"mdc": {"objective.name": "mdc"},
-                                      "cmlm": {"objective.name": "ar", "model.time_conditioning": True}})
+    path = write_plan(
+        tmp_path,
+        arms={"mdc": {"objective.name": "mdc"}, "cmlm": {"objective.name": "ar", "model.time_conditioning": True}},
+    )
     plan = load_plan(path)
     with pytest.raises(StudyError, match=r"(?s)arms.cmlm \(seed 0\): .*model.time_conditioning=true needs a noise"):
         run_configs(plan, path, tmp_path / "out")
@@ -117,19 +143,30 @@ def test_smoke_study_runs_through_ray_writes_the_report_and_reruns_nothing(ray_c
         assert set(CLAIM_FIELDS) <= set(claim) and claim["seeds"] == [0, 1] and len(claim["values_a"]) == 2
         assert claim["ci_low"] <= claim["mean_diff"] <= claim["ci_high"]
         assert claim["verdict"] in ("holds", "reversed", "inconclusive")
-    assert "| MDC beats CMLM on the linear probe | probe_accuracy | mdc | cmlm |" in (tmp_path / "results.md").read_text()
+    assert (
+        "| MDC beats CMLM on the linear probe | probe_accuracy | mdc | cmlm |" in (tmp_path / "results.md").read_text()
+    )
     assert (tmp_path / "claims.png").read_bytes()[:4] == b"\x89PNG"
 
     client = MlflowClient(tracking.absolute_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"))
-    [parent] = client.search_runs([client.get_experiment_by_name("mdc").experiment_id],
-                                  filter_string="tags.`mdc.run_name` = 'study-smoke'")
+    [parent] = client.search_runs(
+        [client.get_experiment_by_name("mdc").experiment_id], filter_string="tags.`mdc.run_name` = 'study-smoke'"
+    )
     assert parent.info.status == "FINISHED" and "claims/0/mean_diff" in parent.data.metrics
-    assert {a.path for a in client.list_artifacts(parent.info.run_id, "eval")} == \
-        {"eval/study.json", "eval/results.md", "eval/claims.png"}
-    children = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    assert sorted(r.data.tags["mdc.run_name"] for r in children) == \
-        ["smoke-cmlm-s0", "smoke-cmlm-s1", "smoke-mdc-s0", "smoke-mdc-s1"]
+    assert {a.path for a in client.list_artifacts(parent.info.run_id, "eval")} == {
+        "eval/study.json",
+        "eval/results.md",
+        "eval/claims.png",
+    }
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+    )
+    assert sorted(r.data.tags["mdc.run_name"] for r in children) == [
+        "smoke-cmlm-s0",
+        "smoke-cmlm-s1",
+        "smoke-mdc-s0",
+        "smoke-mdc-s1",
+    ]
 
     def rerun(*args, **kwargs):
         raise AssertionError("a finished run was trained or evaluated again")
@@ -138,6 +175,7 @@ def test_smoke_study_runs_through_ray_writes_the_report_and_reruns_nothing(ray_c
     monkeypatch.setattr(study, "run_training", rerun)
     monkeypatch.setattr(study, "evaluate_checkpoint", rerun)
     assert run_study(plan, SMOKE, tmp_path) == claims
-    again = client.search_runs([parent.info.experiment_id],
-                               filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    again = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+    )
     assert {(r.info.run_id, r.info.end_time) for r in again} == {(r.info.run_id, r.info.end_time) for r in children}

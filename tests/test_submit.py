@@ -23,9 +23,17 @@ from pipelines.submit import Plan, default_submission_id, plan_submission, run_n
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's bin: ray, mdc
-PORT_FLAGS = ("port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-              "ray-client-server-port", "metrics-export-port", "runtime-env-agent-port", "node-manager-port",
-              "object-manager-port")
+PORT_FLAGS = (
+    "port",
+    "dashboard-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "ray-client-server-port",
+    "metrics-export-port",
+    "runtime-env-agent-port",
+    "node-manager-port",
+    "object-manager-port",
+)
 
 
 def test_plan_follows_reports_or_resubmits():
@@ -78,10 +86,24 @@ def ray_head():
     env.update(RAY_AUTH_MODE="disabled", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
     log = open(Path(temp_dir, "head.log"), "w")
     head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=true",
-         "--dashboard-host=127.0.0.1", "--object-store-memory=300000000", "--disable-usage-stats",
-         f"--temp-dir={temp_dir}", *[f"--{flag}={port}" for flag, port in ports.items()]],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--num-cpus=2",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            "--object-store-memory=300000000",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+            *[f"--{flag}={port}" for flag, port in ports.items()],
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{ports['dashboard-port']}"
     try:
         deadline = time.monotonic() + 120
@@ -92,7 +114,7 @@ def ray_head():
             except OSError:
                 if head.poll() is not None or time.monotonic() > deadline:
                     log.flush()
-                    raise RuntimeError("Ray head did not start:\n" + Path(log.name).read_text()[-3000:])
+                    raise RuntimeError("Ray head did not start:\n" + Path(log.name).read_text()[-3000:]) from None
                 time.sleep(0.5)
         yield url
     finally:
@@ -122,11 +144,29 @@ def test_submit_follows_training_and_is_idempotent(ray_head, tmp_path):
     url = ray_head
     write_shapes_dataset(str(tmp_path / "shapes"), num=120, seed=0, samples_per_shard=60)
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    train = ["mdc", "train", "--config", "configs/demo.yaml", "--data", str(tmp_path / "shapes" / "train"),
-             "--storage", str(tmp_path / "ckpt"), "--mlflow-uri", mlflow_uri, "--name", "submitted",
-             "data.val_uri=null", "data.max_length=16", "train.batch_size=8", "train.num_workers=1",
-             "train.cpus_per_worker=0.5", "train.steps=6", "train.checkpoint_every=3", "train.log_every=3",
-             "optim.warmup_steps=2"]
+    train = [
+        "mdc",
+        "train",
+        "--config",
+        "configs/demo.yaml",
+        "--data",
+        str(tmp_path / "shapes" / "train"),
+        "--storage",
+        str(tmp_path / "ckpt"),
+        "--mlflow-uri",
+        mlflow_uri,
+        "--name",
+        "submitted",
+        "data.val_uri=null",
+        "data.max_length=16",
+        "train.batch_size=8",
+        "train.num_workers=1",
+        "train.cpus_per_worker=0.5",
+        "train.steps=6",
+        "train.checkpoint_every=3",
+        "train.log_every=3",
+        "optim.warmup_steps=2",
+    ]
 
     first = mdc_submit(url, "--", *train)
     assert first.exit_code == 0, first.output[-4000:]
@@ -152,8 +192,7 @@ def test_failed_job_is_resubmitted_and_running_job_followed(ray_head):
     assert mdc_submit(url, *failing).exit_code == 1
     retry = mdc_submit(url, *failing)
     assert retry.exit_code == 1 and "resubmitting as broken-r1" in retry.stderr
-    assert {k: v for k, v in jobs(url).items() if k.startswith("broken")} == {"broken": "FAILED",
-                                                                               "broken-r1": "FAILED"}
+    assert {k: v for k, v in jobs(url).items() if k.startswith("broken")} == {"broken": "FAILED", "broken-r1": "FAILED"}
 
     sleeper = ["--submission-id", "sleeper", "--", "python", "-c", "import time; time.sleep(8); print('woke')"]
     assert mdc_submit(url, "--no-wait", *sleeper).exit_code == 0

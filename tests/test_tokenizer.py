@@ -37,8 +37,8 @@ def test_ids_agree_with_open_clip(tok):
     for row, caption in zip(ids, CAPTIONS):
         expected = open_clip_ids(caption)
         assert len(expected) < 16
-        assert row[:len(expected)].tolist() == expected
-        assert (row[len(expected):] == tok.pad_id).all()
+        assert row[: len(expected)].tolist() == expected
+        assert (row[len(expected) :] == tok.pad_id).all()
 
 
 def test_truncates_at_max_length(tok):
@@ -55,14 +55,19 @@ def test_encode_has_no_special_tokens(tok):
 
 
 def test_decode_round_trips_simple_captions(tok):
-    captions = [c.lower() for c in ["a small red circle to the left of a large blue square",
-                                    "Two cats sleeping on a sofa", "a photo of 3 dogs"]]
+    captions = [
+        c.lower()
+        for c in [
+            "a small red circle to the left of a large blue square",
+            "Two cats sleeping on a sofa",
+            "a photo of 3 dogs",
+        ]
+    ]
     assert tok.decode(tok.encode(captions)) == captions
     assert tok.decode(torch.from_numpy(tok.encode(captions))) == captions
 
 
 def test_decode_stops_at_eos_and_drops_mask_and_bos(tok):
     red, cat, dog = tok.encode(["red cat dog"])[0][:3].tolist()
-    rows = [[tok.bos_id, red, tok.mask_id, cat, tok.eos_id, dog],
-            [red, cat, tok.pad_id, dog, dog, dog]]
+    rows = [[tok.bos_id, red, tok.mask_id, cat, tok.eos_id, dog], [red, cat, tok.pad_id, dog, dog, dog]]
     assert tok.decode(np.array(rows)) == ["red cat", "red cat"]

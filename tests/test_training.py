@@ -10,8 +10,8 @@ import torch
 from mdc.config import ConfigError, ObjectiveConfig, OptimConfig, load_config
 from mdc.models.captioner import Captioner
 from mdc.registry import compute_loss
-from mdc.train.checkpoint import full_weights
 from mdc.train import fsdp
+from mdc.train.checkpoint import full_weights
 from mdc.train.fsdp import apply_fsdp, compile_available, prepare_model, transformer_blocks
 from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step
 
@@ -26,8 +26,17 @@ VOCAB = 64  # ids 60-63 are BOS, EOS, [MASK], pad: a small vocabulary keeps the 
 
 def tiny_model(seed=0) -> Captioner:
     torch.manual_seed(seed)
-    return Captioner("tiny", vocab_size=VOCAB, bos_id=60, eos_id=61, mask_id=62, pad_id=63,
-                     max_length=MAX_LENGTH, image_size=32, decoder_layers=2)
+    return Captioner(
+        "tiny",
+        vocab_size=VOCAB,
+        bos_id=60,
+        eos_id=61,
+        mask_id=62,
+        pad_id=63,
+        max_length=MAX_LENGTH,
+        image_size=32,
+        decoder_layers=2,
+    )
 
 
 def batch(n: int, seed: int = 1):
@@ -80,8 +89,11 @@ def test_global_batch_sets_the_accumulation_steps_and_must_divide():
     cfg = load_config(None, ["train.batch_size=8", "train.num_workers=2", "train.global_batch_size=64"])
     assert cfg.train.accumulation_steps == 4
     assert load_config(None, ["train.batch_size=8", "train.num_workers=2"]).train.accumulation_steps == 1
-    with pytest.raises(ConfigError, match=r"global_batch_size 60 is not a multiple of batch_size × num_workers "
-                                          r"= 8 × 2 = 16"):
+    with pytest.raises(
+        ConfigError,
+        match=r"global_batch_size 60 is not a multiple of batch_size × num_workers "
+        r"= 8 × 2 = 16",
+    ):
         load_config(None, ["train.batch_size=8", "train.num_workers=2", "train.global_batch_size=60"])
 
 
@@ -119,8 +131,12 @@ def test_compiled_blocks_train_like_eager():
     images, tokens = batch(4)
     for model in (eager, compiled):
         optimizer, scheduler = optimiser_for(model)
-        model.losses = [train_step(model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0,
-                                   torch.Generator().manual_seed(step))["loss"] for step in range(3)]
+        model.losses = [
+            train_step(
+                model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0, torch.Generator().manual_seed(step)
+            )["loss"]
+            for step in range(3)
+        ]
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
     for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
         torch.testing.assert_close(dense(b), dense(a), rtol=1e-3, atol=1e-5, msg=name)

@@ -38,14 +38,19 @@ def write(tmp_path, text, name="space.yaml"):
     return path
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("params:\n  objective.omega_l:\n    grid: [0.6]\n  objective.omega_u:\n    grid: [0.5]\n",
-     "omega_l must be < omega_u, got 0.6 >= 0.5"),
-    ("params:\n  objective.omega_x:\n    grid: [0.1]\n", "'objective.omega_x' is not a run config field"),
-    ("params:\n  objective.omega_l:\n    uniform: [0.5, 0.5]\n", "uniform range is empty"),
-    ("params:\n  objective.omega_l:\n    grid: []\n", "grid is empty"),
-    ("params:\n  objective.omega_l:\n    grid: [0.1]\nsearhc: grid\n", "searhc: unknown key"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            "params:\n  objective.omega_l:\n    grid: [0.6]\n  objective.omega_u:\n    grid: [0.5]\n",
+            "omega_l must be < omega_u, got 0.6 >= 0.5",
+        ),
+        ("params:\n  objective.omega_x:\n    grid: [0.1]\n", "'objective.omega_x' is not a run config field"),
+        ("params:\n  objective.omega_l:\n    uniform: [0.5, 0.5]\n", "uniform range is empty"),
+        ("params:\n  objective.omega_l:\n    grid: []\n", "grid is empty"),
+        ("params:\n  objective.omega_l:\n    grid: [0.1]\nsearhc: grid\n", "searhc: unknown key"),
+    ],
+)
 def test_bad_space_is_rejected_with_the_key(tmp_path, bad, message):
     head = "name: bad\n" + ("" if "searhc" in bad else "search: grid\n")
     path = write(tmp_path, head + bad)
@@ -85,8 +90,12 @@ def test_stopped_trials_are_killed_and_errored_ones_stay_failed(tmp_path):
     tracking.finish_run(uri, runs["b"], "FAILED")  # stopped by ASHA while its trainer was torn down
     tracking.finish_run(uri, runs["c"], "FAILED")  # a real error
     tracking.finish_run(uri, runs["d"])
-    rows = [{"trial_id": "a", "stopped_early": True}, {"trial_id": "b", "stopped_early": True},
-            {"trial_id": "c", "stopped_early": False}, {"trial_id": "d", "stopped_early": False}]
+    rows = [
+        {"trial_id": "a", "stopped_early": True},
+        {"trial_id": "b", "stopped_early": True},
+        {"trial_id": "c", "stopped_early": False},
+        {"trial_id": "d", "stopped_early": False},
+    ]
     tracking.kill_children(uri, parent, {f"s-{r['trial_id']}" for r in rows if r["stopped_early"]})
     status = {name: client.get_run(run_id).info.status for name, run_id in runs.items()}
     assert status == {"a": "KILLED", "b": "KILLED", "c": "FAILED", "d": "FINISHED"}
@@ -100,30 +109,51 @@ def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path, monk
 
     monkeypatch.chdir(tmp_path)
     shapes = os.path.relpath(shapes_dir, tmp_path)
-    base = load_config(None, [
-        "name=sweep", "storage_uri=store", "mlflow_uri=sqlite:///mlflow.db",
-        f"data.train_uri={shapes}/train", f"data.val_uri={shapes}/val", "data.max_length=16",
-        "train.batch_size=8", "train.num_workers=1", "train.steps=6", "train.log_every=2", "train.val_every=2",
-        "train.val_batches=2", "train.checkpoint_every=6", "optim.warmup_steps=2"])
+    base = load_config(
+        None,
+        [
+            "name=sweep",
+            "storage_uri=store",
+            "mlflow_uri=sqlite:///mlflow.db",
+            f"data.train_uri={shapes}/train",
+            f"data.val_uri={shapes}/val",
+            "data.max_length=16",
+            "train.batch_size=8",
+            "train.num_workers=1",
+            "train.steps=6",
+            "train.log_every=2",
+            "train.val_every=2",
+            "train.val_batches=2",
+            "train.checkpoint_every=6",
+            "optim.warmup_steps=2",
+        ],
+    )
     space = load_space(write(tmp_path, SPACE), base)
     summary = run_sweep(space, base, max_concurrent=1)  # one at a time: ASHA stops the lr=1e-6 trials
 
     assert summary.failures == []
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     parent = client.get_run(summary.parent_run_id)
-    children = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{summary.parent_run_id}'")
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{summary.parent_run_id}'"
+    )
     assert len(children) == 4
     lrs = sorted(float(c.data.params["optim.lr"]) for c in children)
     assert lrs == [0.000001, 0.000001, 0.002, 0.002]
     assert sorted(float(c.data.params["objective.omega_l"]) for c in children) == [0.0, 0.0, 0.5, 0.5]
     # the sweep's conclusion needs both halves: ASHA stopped the two lr=1e-6 trials and neither lr=0.002 one
-    assert sorted((r["optim.lr"], r["stopped_early"]) for r in summary.rows) == \
-        [(0.000001, True), (0.000001, True), (0.002, False), (0.002, False)], summary.rows
+    assert sorted((r["optim.lr"], r["stopped_early"]) for r in summary.rows) == [
+        (0.000001, True),
+        (0.000001, True),
+        (0.002, False),
+        (0.002, False),
+    ], summary.rows
     finished = [c for c in children if "probe_accuracy" in c.data.metrics]
     assert finished and all(0.0 <= c.data.metrics["probe_accuracy"] <= 1.0 for c in finished)
     assert all(c.info.status in ("FINISHED", "KILLED") for c in children), (
-        [(c.data.tags.get("mdc.run_name"), c.info.status) for c in children], summary.rows)
+        [(c.data.tags.get("mdc.run_name"), c.info.status) for c in children],
+        summary.rows,
+    )
     artifacts = {a.path for a in client.list_artifacts(summary.parent_run_id)}
     assert {"results.csv", "results.md", "sweep.png"} <= artifacts
     assert summary.best is not None and summary.best["optim.lr"] == 0.002
@@ -134,19 +164,31 @@ def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path, monk
 def test_sweep_whose_trials_all_fail_exits_non_zero(ray_cluster, shapes_dir, tmp_path):
     """Every trial's validation folder is missing (the base config's is fine, so the driver's
     check passes and the trials fail on their own): exit 1 and the first failure in one line."""
-    path = write(tmp_path, f"""\
+    path = write(
+        tmp_path,
+        f"""\
         name: failing
         search: grid
         metric: val_loss
         params:
           data.val_uri:
-            grid: [{tmp_path / 'gone-a'}, {tmp_path / 'gone-b'}]
+            grid: [{tmp_path / "gone-a"}, {tmp_path / "gone-b"}]
         scheduler: {{type: none}}
-        """)
-    result = CliRunner().invoke(app, [
-        "tune", "--space", str(path), "name=failing", f"storage_uri={tmp_path / 'store'}",
-        f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"data.train_uri={shapes_dir / 'train'}",
-        f"data.val_uri={shapes_dir / 'val'}"])
+        """,
+    )
+    result = CliRunner().invoke(
+        app,
+        [
+            "tune",
+            "--space",
+            str(path),
+            "name=failing",
+            f"storage_uri={tmp_path / 'store'}",
+            f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"data.train_uri={shapes_dir / 'train'}",
+            f"data.val_uri={shapes_dir / 'val'}",
+        ],
+    )
     assert result.exit_code == 1, result.output
     [line] = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert "all 2 trials failed" in line and "does not exist" in line and "gone-" in line, result.output

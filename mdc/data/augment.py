@@ -23,8 +23,10 @@ def draws(num: int, size: int, seed: int) -> list[tuple[tuple[int, int, int, int
     shape = torch.empty(1, size, size)  # get_params reads only the size
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return [(tuple(RandomResizedCrop.get_params(shape, list(SCALE), list(RATIO))), bool(torch.rand(()) < 0.5))
-                for _ in range(num)]
+        return [
+            (tuple(RandomResizedCrop.get_params(shape, list(SCALE), list(RATIO))), bool(torch.rand(()) < 0.5))
+            for _ in range(num)
+        ]
 
 
 def augment(images: torch.Tensor, kind: str, seed: int) -> torch.Tensor:

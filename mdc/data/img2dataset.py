@@ -27,8 +27,9 @@ import math
 import os
 import tarfile
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -38,13 +39,21 @@ from mdc.data.shapes import make_shape
 
 SHARD_NAME_DIGITS = 5  # img2dataset's default oom_shard_count
 SUCCESS, FAILED_TO_DOWNLOAD, FAILED_TO_RESIZE = "success", "failed_to_download", "failed_to_resize"
-META_SCHEMA = pa.schema([
-    pa.field("caption", pa.string()), pa.field("url", pa.string()), pa.field("key", pa.string()),
-    pa.field("status", pa.string()), pa.field("error_message", pa.string()),
-    pa.field("width", pa.int32()), pa.field("height", pa.int32()),
-    pa.field("original_width", pa.int32()), pa.field("original_height", pa.int32()),
-    pa.field("exif", pa.string()), pa.field("sha256", pa.string()),
-])
+META_SCHEMA = pa.schema(
+    [
+        pa.field("caption", pa.string()),
+        pa.field("url", pa.string()),
+        pa.field("key", pa.string()),
+        pa.field("status", pa.string()),
+        pa.field("error_message", pa.string()),
+        pa.field("width", pa.int32()),
+        pa.field("height", pa.int32()),
+        pa.field("original_width", pa.int32()),
+        pa.field("original_height", pa.int32()),
+        pa.field("exif", pa.string()),
+        pa.field("sha256", pa.string()),
+    ]
+)
 PARQUET_SCHEMA = META_SCHEMA.append(pa.field("jpg", pa.binary()))
 ERRORS = {FAILED_TO_DOWNLOAD: "HTTP Error 404: Not Found", FAILED_TO_RESIZE: "image decoding error"}
 
@@ -89,19 +98,30 @@ def generated_rows(num: int, image_size: int = 64, seed: int = 0, failed_every: 
 def _meta(row: Row, key: str) -> dict:
     ok = row.status == SUCCESS
     width, height = Image.open(io.BytesIO(row.jpg)).size if ok else (None, None)
-    return {"caption": row.caption, "url": row.url, "key": key, "status": row.status,
-            "error_message": None if ok else ERRORS[row.status], "width": width, "height": height,
-            "original_width": row.original_size[0] if ok else None,
-            "original_height": row.original_size[1] if ok else None,
-            "exif": "{}" if ok else None, "sha256": hashlib.sha256(row.jpg).hexdigest() if ok else None}
+    return {
+        "caption": row.caption,
+        "url": row.url,
+        "key": key,
+        "status": row.status,
+        "error_message": None if ok else ERRORS[row.status],
+        "width": width,
+        "height": height,
+        "original_width": row.original_size[0] if ok else None,
+        "original_height": row.original_size[1] if ok else None,
+        "exif": "{}" if ok else None,
+        "sha256": hashlib.sha256(row.jpg).hexdigest() if ok else None,
+    }
 
 
 def _tar(samples: list[tuple[str, Row, dict]]) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for key, row, meta in samples:
-            members = {"jpg": row.jpg, "txt": row.caption.encode("utf-8"),
-                       "json": json.dumps(meta, indent=4).encode("utf-8")}
+            members = {
+                "jpg": row.jpg,
+                "txt": row.caption.encode("utf-8"),
+                "json": json.dumps(meta, indent=4).encode("utf-8"),
+            }
             for ext in sorted(members):
                 info = tarfile.TarInfo(f"{key}.{ext}")
                 info.size, info.mode, info.uname, info.gname = len(members[ext]), 0o444, "bigdata", "bigdata"
@@ -110,14 +130,21 @@ def _tar(samples: list[tuple[str, Row, dict]]) -> bytes:
 
 
 def _stats(statuses: Counter) -> dict:
-    return {"count": sum(statuses.values()), "successes": statuses[SUCCESS],
-            "failed_to_download": statuses[FAILED_TO_DOWNLOAD], "failed_to_resize": statuses[FAILED_TO_RESIZE],
-            "duration": 0.0, "start_time": 0.0, "end_time": 0.0,
-            "status_dict": {ERRORS.get(s, s): n for s, n in statuses.items()}}
+    return {
+        "count": sum(statuses.values()),
+        "successes": statuses[SUCCESS],
+        "failed_to_download": statuses[FAILED_TO_DOWNLOAD],
+        "failed_to_resize": statuses[FAILED_TO_RESIZE],
+        "duration": 0.0,
+        "start_time": 0.0,
+        "end_time": 0.0,
+        "status_dict": {ERRORS.get(s, s): n for s, n in statuses.items()},
+    }
 
 
-def write_img2dataset_folder(rows: Iterable[Row], out_dir: str, output_format: Literal["webdataset", "parquet"],
-                             samples_per_shard: int = 10_000) -> dict:
+def write_img2dataset_folder(
+    rows: Iterable[Row], out_dir: str, output_format: Literal["webdataset", "parquet"], samples_per_shard: int = 10_000
+) -> dict:
     """Write `rows` as img2dataset does with `output_format`; returns the folder's totals (`_stats.json`)."""
     if output_format not in ("webdataset", "parquet"):
         raise ValueError(f"output_format must be webdataset or parquet, got {output_format!r}")
@@ -126,8 +153,10 @@ def write_img2dataset_folder(rows: Iterable[Row], out_dir: str, output_format: L
     totals = Counter()
     for shard_id, start in enumerate(range(0, len(rows), samples_per_shard)):
         name = os.path.join(out_dir, f"{shard_id:0{SHARD_NAME_DIGITS}d}")
-        shard = [(sample_key(shard_id, i, samples_per_shard), row)
-                 for i, row in enumerate(rows[start:start + samples_per_shard])]
+        shard = [
+            (sample_key(shard_id, i, samples_per_shard), row)
+            for i, row in enumerate(rows[start : start + samples_per_shard])
+        ]
         metas = [_meta(row, key) for key, row in shard]
         if output_format == "webdataset":
             with open(f"{name}.tar", "wb") as f:
@@ -148,6 +177,7 @@ def write_img2dataset_folder(rows: Iterable[Row], out_dir: str, output_format: L
 
 # ------------------------------------------------------------------------------------------ damage
 
+
 def _rewrite_tar_member(path: str, member_ext: str, index: int, data: bytes) -> None:
     """Replace the data of the `index`-th member ending in `.member_ext` of the tar at `path`."""
     with tarfile.open(path) as tar:
@@ -167,13 +197,16 @@ def damage_folder(out_dir: str, output_format: Literal["webdataset", "parquet"])
 
     Shard 0 gets a corrupt JPEG (header intact, scan cut), an empty caption and, for tars, a caption
     that is not UTF-8 (Parquet's string column cannot hold one); the last shard is cut in half."""
-    shards = sorted(f for f in os.listdir(out_dir) if f.endswith(".tar" if output_format == "webdataset" else ".parquet")
-                    and not f.endswith("_stats.json"))
+    shards = sorted(
+        f
+        for f in os.listdir(out_dir)
+        if f.endswith(".tar" if output_format == "webdataset" else ".parquet") and not f.endswith("_stats.json")
+    )
     first, last = os.path.join(out_dir, shards[0]), os.path.join(out_dir, shards[-1])
     if output_format == "webdataset":
         with tarfile.open(first) as tar:
             jpg = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith(".jpg"))).read()
-        _rewrite_tar_member(first, "jpg", 0, jpg[:len(jpg) // 3])
+        _rewrite_tar_member(first, "jpg", 0, jpg[: len(jpg) // 3])
         _rewrite_tar_member(first, "txt", 1, b"   ")
         _rewrite_tar_member(first, "txt", 2, "légende abîmée".encode("latin-1"))
         damaged = {"undecodable_image": 1, "empty_caption": 1, "non_utf8_caption": 1}
@@ -181,7 +214,7 @@ def damage_folder(out_dir: str, output_format: Literal["webdataset", "parquet"])
         table = pq.read_table(first)
         ok = [i for i, s in enumerate(table["status"].to_pylist()) if s == SUCCESS]
         jpg, caption = table["jpg"].to_pylist(), table["caption"].to_pylist()
-        jpg[ok[0]] = jpg[ok[0]][:len(jpg[ok[0]]) // 3]
+        jpg[ok[0]] = jpg[ok[0]][: len(jpg[ok[0]]) // 3]
         caption[ok[1]] = "   "
         table = table.set_column(table.schema.get_field_index("jpg"), "jpg", pa.array(jpg, pa.binary()))
         table = table.set_column(table.schema.get_field_index("caption"), "caption", pa.array(caption, pa.string()))
@@ -190,6 +223,6 @@ def damage_folder(out_dir: str, output_format: Literal["webdataset", "parquet"])
     with open(last, "rb") as f:
         data = f.read()
     with open(last, "wb") as f:
-        f.write(data[:len(data) // 2])
+        f.write(data[: len(data) // 2])
     damaged["truncated_tar" if output_format == "webdataset" else "corrupt_parquet"] = 1
     return damaged

@@ -113,8 +113,15 @@ def make_shape(index: int, seed: int, image_size: int = 64, max_objects: Literal
         negatives[RELATION_SWAP] = _caption([b, a], relation)
         colours_swapped = [replace(a, colour=b.colour), replace(b, colour=a.colour)]
         negatives[ATTRIBUTE_SWAP] = _caption(colours_swapped, relation)
-    return ShapeRecord(shape_key(index), buf.getvalue(), _caption(objects, relation),
-                       CLASS_NAMES.index(objects[0].shape), objects, relation, negatives)
+    return ShapeRecord(
+        shape_key(index),
+        buf.getvalue(),
+        _caption(objects, relation),
+        CLASS_NAMES.index(objects[0].shape),
+        objects,
+        relation,
+        negatives,
+    )
 
 
 def generate_shapes(num: int, seed: int, image_size: int = 64) -> list[ShapeRecord]:
@@ -125,8 +132,7 @@ def _to_sample(r: ShapeRecord) -> shards.Sample:
     return shards.Sample(r.key, r.image, r.caption, {"label": r.label, "label_name": r.label_name})
 
 
-def _write_compositionality(out_uri: str, pairs: list[ShapeRecord], image_size: int,
-                            endpoint_url: str | None) -> dict:
+def _write_compositionality(out_uri: str, pairs: list[ShapeRecord], image_size: int, endpoint_url: str | None) -> dict:
     """ARO VG-Relation/VG-Attribution and SugarCrepe swap_obj/swap_att files, images in images/."""
     root = storage.join(out_uri, COMPOSITIONALITY_DIR)
     whole_image = {"bbox_x": 0, "bbox_y": 0, "bbox_w": image_size, "bbox_h": image_size}
@@ -136,12 +142,11 @@ def _write_compositionality(out_uri: str, pairs: list[ShapeRecord], image_size: 
         storage.write_bytes(storage.join(root, "images", filename), r.image, endpoint_url)
         common = {"image_id": r.key, "image_path": filename, "true_caption": r.caption, **whole_image}
         relation.append({**common, "false_caption": r.negatives[RELATION_SWAP], "relation_name": r.relation})
-        attribution.append({**common, "false_caption": r.negatives[ATTRIBUTE_SWAP],
-                            "attributes": [o.colour for o in r.objects]})
-        swap_obj[str(i)] = {"filename": filename, "caption": r.caption,
-                            "negative_caption": r.negatives[RELATION_SWAP]}
-        swap_att[str(i)] = {"filename": filename, "caption": r.caption,
-                            "negative_caption": r.negatives[ATTRIBUTE_SWAP]}
+        attribution.append(
+            {**common, "false_caption": r.negatives[ATTRIBUTE_SWAP], "attributes": [o.colour for o in r.objects]}
+        )
+        swap_obj[str(i)] = {"filename": filename, "caption": r.caption, "negative_caption": r.negatives[RELATION_SWAP]}
+        swap_att[str(i)] = {"filename": filename, "caption": r.caption, "negative_caption": r.negatives[ATTRIBUTE_SWAP]}
     files = {
         "aro_vg_relation": ("visual_genome_relation.json", relation),
         "aro_vg_attribution": ("visual_genome_attribution.json", attribution),
@@ -155,10 +160,17 @@ def _write_compositionality(out_uri: str, pairs: list[ShapeRecord], image_size: 
     return entry
 
 
-def write_shapes_dataset(out_uri: str, num: int, seed: int, val_fraction: float = 0.1,
-                         format: Literal["webdataset", "parquet"] = "webdataset", samples_per_shard: int = 1000,
-                         image_size: int = 64, endpoint_url: str | None = None,
-                         max_objects: Literal[1, 2] = 2) -> dict:
+def write_shapes_dataset(
+    out_uri: str,
+    num: int,
+    seed: int,
+    val_fraction: float = 0.1,
+    format: Literal["webdataset", "parquet"] = "webdataset",
+    samples_per_shard: int = 1000,
+    image_size: int = 64,
+    endpoint_url: str | None = None,
+    max_objects: Literal[1, 2] = 2,
+) -> dict:
     """Write train/ and val/ shards, compositionality files built from the val pairs (none with
     max_objects=1: a swap needs two objects), and manifest.json.
 
@@ -172,9 +184,15 @@ def write_shapes_dataset(out_uri: str, num: int, seed: int, val_fraction: float 
     }
     pairs = [r for r in val if r.negatives]
     manifest = {
-        "dataset": "shapes", "seed": seed, "image_size": image_size, "max_objects": max_objects,
-        "format": format, "num_samples": num,
-        "val_fraction": val_fraction, "class_names": CLASS_NAMES, "splits": splits,
+        "dataset": "shapes",
+        "seed": seed,
+        "image_size": image_size,
+        "max_objects": max_objects,
+        "format": format,
+        "num_samples": num,
+        "val_fraction": val_fraction,
+        "class_names": CLASS_NAMES,
+        "splits": splits,
         "compositionality": _write_compositionality(out_uri, pairs, image_size, endpoint_url),
     }
     shards.write_manifest(out_uri, manifest, endpoint_url)

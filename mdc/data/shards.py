@@ -14,8 +14,9 @@ import logging
 import posixpath
 import tarfile
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Iterable, Iterator, Literal
+from typing import BinaryIO, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -45,12 +46,14 @@ IMAGE_COLUMNS = ("jpg", "png", "webp", "image")
 CAPTION_COLUMNS = ("txt", "caption")
 READ_BUFFER_BYTES = 8 * 1024**2  # one ranged GET per 8 MiB on S3; the memory of one open shard
 ShardFormat = Literal["auto", "webdataset", "parquet"]
-PARQUET_SCHEMA = pa.schema([
-    pa.field("key", pa.string(), nullable=False),
-    pa.field("jpg", pa.binary()),
-    pa.field("txt", pa.string()),
-    pa.field("json", pa.string()),
-])
+PARQUET_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("jpg", pa.binary()),
+        pa.field("txt", pa.string()),
+        pa.field("json", pa.string()),
+    ]
+)
 
 
 @dataclass
@@ -79,6 +82,7 @@ def key_fraction(key: str, salt: str = "") -> float:
 
 # ---------------------------------------------------------------------------------------- writing
 
+
 def _check_key(key: str) -> None:
     if not key or "." in key or "/" in key:
         raise ValueError(f"sample key {key!r} must be non-empty without '.' or '/' (WebDataset splits keys there)")
@@ -99,19 +103,27 @@ def _tar_bytes(samples: list[Sample]) -> bytes:
 
 
 def _parquet_bytes(samples: list[Sample]) -> bytes:
-    table = pa.table({
-        "key": [s.key for s in samples],
-        "jpg": [s.image for s in samples],
-        "txt": [s.caption for s in samples],
-        "json": [None if s.meta is None else json.dumps(s.meta) for s in samples],
-    }, schema=PARQUET_SCHEMA)
+    table = pa.table(
+        {
+            "key": [s.key for s in samples],
+            "jpg": [s.image for s in samples],
+            "txt": [s.caption for s in samples],
+            "json": [None if s.meta is None else json.dumps(s.meta) for s in samples],
+        },
+        schema=PARQUET_SCHEMA,
+    )
     buf = io.BytesIO()
     pq.write_table(table, buf)
     return buf.getvalue()
 
 
-def write_shards(samples: Iterable[Sample], out_uri: str, format: Literal["webdataset", "parquet"],
-                 samples_per_shard: int, endpoint_url: str | None = None) -> list[str]:
+def write_shards(
+    samples: Iterable[Sample],
+    out_uri: str,
+    format: Literal["webdataset", "parquet"],
+    samples_per_shard: int,
+    endpoint_url: str | None = None,
+) -> list[str]:
     """Write samples as shard-00000.tar/.parquet, ... under out_uri; returns the shard URIs.
 
     Memory holds one shard at a time, so the input may be a generator of any length."""
@@ -141,8 +153,14 @@ def write_shards(samples: Iterable[Sample], out_uri: str, format: Literal["webda
     return uris
 
 
-def write_split(samples: Iterable[Sample], out_uri: str, split: str, format: Literal["webdataset", "parquet"],
-                samples_per_shard: int, endpoint_url: str | None = None) -> dict:
+def write_split(
+    samples: Iterable[Sample],
+    out_uri: str,
+    split: str,
+    format: Literal["webdataset", "parquet"],
+    samples_per_shard: int,
+    endpoint_url: str | None = None,
+) -> dict:
     """Write one split to out_uri/split; returns its manifest entry (count, shard paths relative to out_uri)."""
     count = 0
 
@@ -158,6 +176,7 @@ def write_split(samples: Iterable[Sample], out_uri: str, split: str, format: Lit
 
 # ---------------------------------------------------------------------------------------- reading
 
+
 def _split_key(name: str) -> tuple[str, str]:
     """'dir/0001.jpg' -> ('dir/0001', 'jpg'): key up to the first dot of the basename, as WebDataset."""
     dirname, base = posixpath.split(name)
@@ -165,8 +184,9 @@ def _split_key(name: str) -> tuple[str, str]:
     return posixpath.join(dirname, stem), ext.lower()
 
 
-def _sample_from_parts(key: str, image: bytes | None, caption: bytes | str | None, meta: str | bytes | None,
-                       skips: Counter) -> Sample | None:
+def _sample_from_parts(
+    key: str, image: bytes | None, caption: bytes | str | None, meta: str | bytes | None, skips: Counter
+) -> Sample | None:
     """Validate one record's raw fields; count and return None if it must be skipped."""
     if image is None:
         skips[MISSING_IMAGE] += 1
@@ -290,6 +310,7 @@ def iter_shard(uri: str, skips: Counter, endpoint_url: str | None = None) -> Ite
 
 # ------------------------------------------------------------------------------------------ layout
 
+
 def _is_side_file(uri: str, tars: set[str]) -> bool:
     """img2dataset writes NNNNN.parquet (metadata, no image column) beside each NNNNN.tar."""
     return uri.endswith(".parquet") and uri.removesuffix(".parquet") + ".tar" in tars
@@ -301,9 +322,11 @@ def list_shards(uri: str, format: ShardFormat = "auto", endpoint_url: str | None
     files are never data. Raises StorageError naming the folder when it holds no such shard."""
     files = storage.list_files(uri, SHARD_SUFFIXES, endpoint_url)
     tars = {f for f in files if f.endswith(".tar")}
-    wanted = {"webdataset": lambda f: f in tars,
-              "parquet": lambda f: f.endswith(".parquet"),
-              "auto": lambda f: f in tars or not _is_side_file(f, tars)}[format]
+    wanted = {
+        "webdataset": lambda f: f in tars,
+        "parquet": lambda f: f.endswith(".parquet"),
+        "auto": lambda f: f in tars or not _is_side_file(f, tars),
+    }[format]
     found = [f for f in files if wanted(f)]
     if not found:
         kinds = {"webdataset": ".tar", "parquet": ".parquet", "auto": ".tar or .parquet"}[format]
@@ -311,8 +334,9 @@ def list_shards(uri: str, format: ShardFormat = "auto", endpoint_url: str | None
     return found
 
 
-def read_shards(uri: str, endpoint_url: str | None = None, skips: Counter | None = None,
-                format: ShardFormat = "auto") -> Iterator[Sample]:
+def read_shards(
+    uri: str, endpoint_url: str | None = None, skips: Counter | None = None, format: ShardFormat = "auto"
+) -> Iterator[Sample]:
     """All samples of all shards under uri, in sorted shard order (single process: for tests and
     small evaluations; training reads through Ray Data)."""
     skips = Counter() if skips is None else skips
@@ -332,6 +356,7 @@ def stats_total(uri: str, endpoint_url: str | None = None) -> int | None:
 
 
 # --------------------------------------------------------------------------------------- manifest
+
 
 def write_manifest(out_uri: str, manifest: dict, endpoint_url: str | None = None) -> str:
     """Write out_uri/manifest.json (counts, class names, splits) and return its URI."""

@@ -36,10 +36,15 @@ def resolve_endpoint(endpoint_url: str | None = None) -> str | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _s3_filesystem(endpoint_url: str | None, region: str, access_key: str | None,
-                   secret_key: str | None, session_token: str | None) -> pafs.S3FileSystem:
-    kwargs: dict = dict(region=region, connect_timeout=2, request_timeout=30,
-                        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=3))
+def _s3_filesystem(
+    endpoint_url: str | None, region: str, access_key: str | None, secret_key: str | None, session_token: str | None
+) -> pafs.S3FileSystem:
+    kwargs: dict = dict(
+        region=region,
+        connect_timeout=2,
+        request_timeout=30,
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=3),
+    )
     if endpoint_url:
         parsed = urlparse(endpoint_url if "://" in endpoint_url else f"https://{endpoint_url}")
         kwargs.update(endpoint_override=parsed.netloc, scheme=parsed.scheme or "https")
@@ -51,14 +56,16 @@ def _s3_filesystem(endpoint_url: str | None, region: str, access_key: str | None
 def open_fs(uri: str, endpoint_url: str | None = None) -> tuple[pafs.FileSystem, str]:
     """Return (filesystem, path inside it) for a local path or s3://bucket/prefix."""
     if is_s3(uri):
-        path = uri[len(S3_PREFIX):].strip("/")
+        path = uri[len(S3_PREFIX) :].strip("/")
         if not path:
             raise ValueError(f"S3 URI has no bucket: {uri!r}")
         env = os.environ
         fs = _s3_filesystem(
             resolve_endpoint(endpoint_url),
             env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
-            env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY"), env.get("AWS_SESSION_TOKEN"),
+            env.get("AWS_ACCESS_KEY_ID"),
+            env.get("AWS_SECRET_ACCESS_KEY"),
+            env.get("AWS_SESSION_TOKEN"),
         )
         return fs, path
     if "://" in uri:

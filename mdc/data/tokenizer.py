@@ -39,7 +39,7 @@ def _clip_fast_tokenizer():
     from transformers import CLIPTokenizerFast  # seconds to import: once, when the tokenizer is first built
 
     lines = gzip.open(bpe_file(), "rt", encoding="utf-8").read().split("\n")
-    merges = [tuple(m.split()) for m in lines[1:CLIP_BPE_MERGES + 1]]
+    merges = [tuple(m.split()) for m in lines[1 : CLIP_BPE_MERGES + 1]]
     alphabet = _bytes_to_unicode()
     tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges]
     tokens += ["<|startoftext|>", "<|endoftext|>"]
@@ -62,11 +62,12 @@ class CaptionTokenizer:
 
     def encode(self, captions: list[str]) -> np.ndarray:
         """(B, max_length) int64: text tokens, truncated, right-padded with pad_id."""
-        ids = self._tok(list(captions), add_special_tokens=False, truncation=True,
-                        max_length=self.max_length)["input_ids"]
+        ids = self._tok(list(captions), add_special_tokens=False, truncation=True, max_length=self.max_length)[
+            "input_ids"
+        ]
         out = np.full((len(ids), self.max_length), self.pad_id, dtype=np.int64)
         for row, seq in zip(out, ids):
-            row[:len(seq)] = seq
+            row[: len(seq)] = seq
         return out
 
     def decode(self, tokens: torch.Tensor | np.ndarray) -> list[str]:

@@ -11,8 +11,9 @@ import io
 import os
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 from PIL import Image
 
@@ -101,9 +102,16 @@ def _samples(stamps: list[Stamp], class_names: list[str], max_size: int, skips: 
         yield shards.Sample(s.key, image, s.caption, {"label": label, "label_name": s.category, "source": s.path})
 
 
-def write_tuxpaint_dataset(out_uri: str, root: str = DEFAULT_ROOT, val_fraction: float = 0.1, seed: int = 0,
-                           format: Literal["webdataset", "parquet"] = "webdataset", samples_per_shard: int = 200,
-                           max_size: int = 256, endpoint_url: str | None = None) -> dict:
+def write_tuxpaint_dataset(
+    out_uri: str,
+    root: str = DEFAULT_ROOT,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    format: Literal["webdataset", "parquet"] = "webdataset",
+    samples_per_shard: int = 200,
+    max_size: int = 256,
+    endpoint_url: str | None = None,
+) -> dict:
     """Write train/ and val/ shards (split by a hash of the key) and manifest.json; returns the manifest."""
     skips: Counter = Counter()
     stamps = find_stamps(root, skips)
@@ -115,9 +123,16 @@ def write_tuxpaint_dataset(out_uri: str, root: str = DEFAULT_ROOT, val_fraction:
         samples = _samples(chosen, class_names, max_size, skips)
         splits[name] = shards.write_split(samples, out_uri, name, format, samples_per_shard, endpoint_url)
     manifest = {
-        "dataset": "tuxpaint", "root": root, "seed": seed, "format": format, "max_size": max_size,
-        "val_fraction": val_fraction, "class_names": class_names, "splits": splits,
-        "num_samples": sum(s["num_samples"] for s in splits.values()), "skipped": dict(skips),
+        "dataset": "tuxpaint",
+        "root": root,
+        "seed": seed,
+        "format": format,
+        "max_size": max_size,
+        "val_fraction": val_fraction,
+        "class_names": class_names,
+        "splits": splits,
+        "num_samples": sum(s["num_samples"] for s in splits.values()),
+        "skipped": dict(skips),
     }
     shards.write_manifest(out_uri, manifest, endpoint_url)
     return manifest

@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
@@ -63,9 +63,16 @@ def group_by_image(samples: Iterable[Sample], limit: int | None = None) -> list[
     return list(images.values())
 
 
-def evaluate_captions(model, objective: str, images: Sequence[CaptionImage], lengths: Sequence[int] = (10, 15, 20),
-                      sampler: str = "confidence", steps: int | None = None, batch_size: int = 32,
-                      guidance_scale: float = 1.0) -> dict:
+def evaluate_captions(
+    model,
+    objective: str,
+    images: Sequence[CaptionImage],
+    lengths: Sequence[int] = (10, 15, 20),
+    sampler: str = "confidence",
+    steps: int | None = None,
+    batch_size: int = 32,
+    guidance_scale: float = 1.0,
+) -> dict:
     """BLEU-4, CIDEr-D and captions per second at each length N', with every caption written.
 
     Lengths above the model's max_length cannot be written (no position embedding) and are listed
@@ -80,7 +87,7 @@ def evaluate_captions(model, objective: str, images: Sequence[CaptionImage], len
             continue
         captions, seconds = [], 0.0
         for i in range(0, len(images), batch_size):
-            pixels = preprocess([img.image for img in images[i:i + batch_size]], model.image_size).to(device)
+            pixels = preprocess([img.image for img in images[i : i + batch_size]], model.image_size).to(device)
             tic = time.perf_counter()
             tokens = registry.write_captions(model, pixels, objective, length, sampler, steps, guidance_scale)
             seconds += time.perf_counter() - tic
@@ -88,8 +95,13 @@ def evaluate_captions(model, objective: str, images: Sequence[CaptionImage], len
         generated[length] = captions
         metrics = caption_metrics(dict(enumerate(captions)), references)
         results[str(length)] = {**metrics, "captions_per_s": len(captions) / max(seconds, 1e-9)}
-    return {"lengths": results, "skipped_lengths": [n for n in lengths if n > max_length],
-            "sampler": registry.objective(objective).sampler or sampler,
-            "num_images": len(images), "captions": [
-                {"key": img.key, "references": img.references,
-                 "generated": {str(n): generated[n][i] for n in generated}} for i, img in enumerate(images)]}
+    return {
+        "lengths": results,
+        "skipped_lengths": [n for n in lengths if n > max_length],
+        "sampler": registry.objective(objective).sampler or sampler,
+        "num_images": len(images),
+        "captions": [
+            {"key": img.key, "references": img.references, "generated": {str(n): generated[n][i] for n in generated}}
+            for i, img in enumerate(images)
+        ],
+    }

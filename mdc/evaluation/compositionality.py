@@ -34,9 +34,9 @@ import json
 import random
 import re
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -73,6 +73,7 @@ class Item:
 
 
 # ------------------------------------------------------------------------------------- readers
+
 
 def _load_json(path: Path):
     try:
@@ -123,7 +124,7 @@ def pre_caption(caption: str, max_words: int = 30) -> str:
 
 
 def _trigrams(words: list[str]) -> list[list[str]]:
-    return [words[i:i + 3] for i in range(0, len(words), 3)]
+    return [words[i : i + 3] for i in range(0, len(words), 3)]
 
 
 def _shuffle_at(words: list[str], positions: list[int], rng: random.Random) -> list[str]:
@@ -146,8 +147,12 @@ def order_perturbations(caption: str, tagger: Callable[[list[str]], list[str]], 
     within = [rng.sample(t, len(t)) for t in _trigrams(words)]
     across = _trigrams(words)
     rng.shuffle(across)
-    perturbed = [_shuffle_at(_shuffle_at(words, nouns, rng), adjectives, rng), _shuffle_at(words, others, rng),
-                 [w for t in within for w in t], [w for t in across for w in t]]
+    perturbed = [
+        _shuffle_at(_shuffle_at(words, nouns, rng), adjectives, rng),
+        _shuffle_at(words, others, rng),
+        [w for t in within for w in t],
+        [w for t in across for w in t],
+    ]
     return [" ".join(p) for p in perturbed]
 
 
@@ -160,13 +165,14 @@ def spacy_tagger() -> Callable[[list[str]], list[str]]:
 
         nlp = spacy.load("en_core_web_sm")
     except (ImportError, OSError) as e:
-        raise RuntimeError("COCO/Flickr-Order need a part-of-speech tagger: install spacy and its "
-                           "en_core_web_sm model, or pass tagger=") from e
+        raise RuntimeError(
+            "COCO/Flickr-Order need a part-of-speech tagger: install spacy and its "
+            "en_core_web_sm model, or pass tagger="
+        ) from e
     return lambda words: [token.tag_ for token in nlp(Doc(nlp.vocab, words=words))]
 
 
-def read_order(path: Path, image_root: Path, tagger: Callable[[list[str]], list[str]],
-               seed: int = 0) -> list[Item]:
+def read_order(path: Path, image_root: Path, tagger: Callable[[list[str]], list[str]], seed: int = 0) -> list[Item]:
     """ARO COCO-Order or Flickr30k-Order from a Karpathy-split JSON file."""
     rng = random.Random(seed)
     items = []
@@ -174,14 +180,20 @@ def read_order(path: Path, image_root: Path, tagger: Callable[[list[str]], list[
         where = f"item {i}"
         captions = _field(entry, "caption", path, where)
         image = _image(image_root, _field(entry, "image", path, where), path, where, "image")
-        for caption in ([captions] if isinstance(captions, str) else captions):
+        for caption in [captions] if isinstance(captions, str) else captions:
             caption = pre_caption(caption)
             items.append(Item(image, [caption, *order_perturbations(caption, tagger, rng)]))
     return items
 
 
-def read_benchmark(benchmark: str, root: str | Path, image_dir: str | Path | None = None,
-                   subsets: Sequence[str] | None = None, tagger=None, seed: int = 0) -> dict[str, list[Item]]:
+def read_benchmark(
+    benchmark: str,
+    root: str | Path,
+    image_dir: str | Path | None = None,
+    subsets: Sequence[str] | None = None,
+    tagger=None,
+    seed: int = 0,
+) -> dict[str, list[Item]]:
     """{subset: items} for every subset file present under root (or the `subsets` asked for)."""
     root = Path(root)
     image_dir = Path(image_dir) if image_dir else root / "images"
@@ -218,10 +230,12 @@ def register_scorer(name: str, extra_terms: int | None = 0):
     """`extra_terms`: how many terms the score sums beyond the caption's text tokens (1 for the
     autoregressive EOS); None for a score that is not a sum over tokens (CLIP's cosine), which
     per-token normalisation refuses."""
+
     def wrap(fn: ScoreFn) -> ScoreFn:
         fn.extra_terms = extra_terms
         SCORERS[name] = fn
         return fn
+
     return wrap
 
 
@@ -256,8 +270,7 @@ def heuristic_log_likelihood(model, images, texts, samples=None, generator=None)
 def monte_carlo_log_likelihood(model, images, texts, samples=16, generator=None) -> torch.Tensor:
     """Masked diffusion: the ELBO from `samples` draws of (t, mask), shared by all candidates."""
     candidates = [caption_tokens(model, t) for t in texts]
-    return torch.stack(monte_carlo_elbo(model, images, candidates, num_samples=samples,
-                                        generator=generator), 1)
+    return torch.stack(monte_carlo_elbo(model, images, candidates, num_samples=samples, generator=generator), 1)
 
 
 @register_scorer("clip", extra_terms=None)
@@ -275,6 +288,7 @@ def denoising_score(model, images, texts, samples=16, generator=None) -> torch.T
 
 
 # ------------------------------------------------------------------------------------ evaluation
+
 
 def load_item_images(items: Sequence[Item], image_size: int) -> torch.Tensor:
     transform = ImageTransform(image_size)
@@ -299,14 +313,29 @@ def derangement(n: int, seed: int) -> list[int]:
 
 def token_counts(texts: list[list[str]], max_length: int, extra_terms: int) -> torch.Tensor:
     """(B, K): the number of terms each candidate's score sums over."""
-    return torch.stack([torch.from_numpy((CaptionTokenizer(max_length).encode(t) != CaptionTokenizer.pad_id)
-                                         .sum(1)) for t in texts], 1) + extra_terms
+    return (
+        torch.stack(
+            [
+                torch.from_numpy((CaptionTokenizer(max_length).encode(t) != CaptionTokenizer.pad_id).sum(1))
+                for t in texts
+            ],
+            1,
+        )
+        + extra_terms
+    )
 
 
 @torch.no_grad()
-def evaluate_compositionality(model, subsets: dict[str, list[Item]], score: ScoreFn, samples: int = 16,
-                              batch_size: int = 32, seed: int = 0, limit: int | None = None,
-                              normalize: str = "none") -> dict:
+def evaluate_compositionality(
+    model,
+    subsets: dict[str, list[Item]],
+    score: ScoreFn,
+    samples: int = 16,
+    batch_size: int = 32,
+    seed: int = 0,
+    limit: int | None = None,
+    normalize: str = "none",
+) -> dict:
     """Accuracy per subset (true caption strictly best) and its blind accuracy (each item scored
     against another item's image), both with macro averages; subsets whose blind accuracy exceeds
     BLIND_BIAS_THRESHOLD are listed in `text_biased`. A subset of one item has no blind accuracy
@@ -321,8 +350,13 @@ def evaluate_compositionality(model, subsets: dict[str, list[Item]], score: Scor
 
     def wins(image_items: list[Item], texts: list[list[str]]) -> int:
         """How many of the texts' true captions win, scored against the images of `image_items`."""
-        scores = score(model, load_item_images(image_items, model.image_size).to(device), texts,
-                       samples=samples, generator=generator)
+        scores = score(
+            model,
+            load_item_images(image_items, model.image_size).to(device),
+            texts,
+            samples=samples,
+            generator=generator,
+        )
         if normalize == "token":
             scores = scores / token_counts(texts, model.max_length, extra_terms).to(scores)
         return int((scores[:, 0] > scores[:, 1:].max(dim=1).values).sum())
@@ -333,26 +367,40 @@ def evaluate_compositionality(model, subsets: dict[str, list[Item]], score: Scor
         others = derangement(len(items), seed) if len(items) > 1 else None
         correct = blind_correct = 0
         for i in range(0, len(items), batch_size):
-            batch = items[i:i + batch_size]
+            batch = items[i : i + batch_size]
             num_captions = {len(item.captions) for item in batch}
             if len(num_captions) != 1:
                 raise ValueError(f"{name}: items of one subset must have the same number of captions")
             texts = [[item.captions[k] for item in batch] for k in range(num_captions.pop())]
             correct += wins(batch, texts)
             if others is not None:
-                blind_correct += wins([items[j] for j in others[i:i + batch_size]], texts)
+                blind_correct += wins([items[j] for j in others[i : i + batch_size]], texts)
         accuracy[name], counts[name] = correct / max(len(items), 1), len(items)
         blind[name] = blind_correct / len(items) if others is not None else None
     blind_values = [v for v in blind.values() if v is not None]
-    return {"accuracy": accuracy, "blind_accuracy": blind, "macro_accuracy": float(np.mean(list(accuracy.values()))),
-            "macro_blind_accuracy": float(np.mean(blind_values)) if blind_values else None,
-            "text_biased": [name for name, v in blind.items() if v is not None and v > BLIND_BIAS_THRESHOLD],
-            "normalize": normalize, "num_items": counts}
+    return {
+        "accuracy": accuracy,
+        "blind_accuracy": blind,
+        "macro_accuracy": float(np.mean(list(accuracy.values()))),
+        "macro_blind_accuracy": float(np.mean(blind_values)) if blind_values else None,
+        "text_biased": [name for name, v in blind.items() if v is not None and v > BLIND_BIAS_THRESHOLD],
+        "normalize": normalize,
+        "num_items": counts,
+    }
 
 
-def evaluate_shapes(model, objective: str, data_uri: str, endpoint_url: str | None = None, scorer: str = "auto",
-                    samples: int = 16, limit: int | None = None, normalize: str = "none", seed: int = 0,
-                    benchmarks: Sequence[str] = BENCHMARKS) -> dict:
+def evaluate_shapes(
+    model,
+    objective: str,
+    data_uri: str,
+    endpoint_url: str | None = None,
+    scorer: str = "auto",
+    samples: int = 16,
+    limit: int | None = None,
+    normalize: str = "none",
+    seed: int = 0,
+    benchmarks: Sequence[str] = BENCHMARKS,
+) -> dict:
     """ARO and SugarCrepe on the pairs `write_shapes_dataset` puts in DATA/compositionality (local
     or s3://; a bucket's copy is downloaded to a temporary folder first): one result over every
     subset, keyed BENCHMARK/SUBSET, so its macro averages span them all; the demo, `mdc compare` and
@@ -365,7 +413,12 @@ def evaluate_shapes(model, objective: str, data_uri: str, endpoint_url: str | No
             fs, path = storage.open_fs(source, endpoint_url)
             pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
             root = Path(tmp)
-        items = {f"{benchmark}/{subset}": subset_items for benchmark in benchmarks
-                 for subset, subset_items in read_benchmark(benchmark, root).items()}
-        return {"scorer": name, **evaluate_compositionality(model, items, score, samples, seed=seed, limit=limit,
-                                                            normalize=normalize)}
+        items = {
+            f"{benchmark}/{subset}": subset_items
+            for benchmark in benchmarks
+            for subset, subset_items in read_benchmark(benchmark, root).items()
+        }
+        return {
+            "scorer": name,
+            **evaluate_compositionality(model, items, score, samples, seed=seed, limit=limit, normalize=normalize),
+        }

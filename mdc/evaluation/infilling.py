@@ -8,7 +8,7 @@ Only masked-diffusion models infill: autoregressive decoding cannot condition on
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -19,8 +19,9 @@ from mdc.registry import MASKED_OBJECTIVES
 from mdc.sampling import sample_masked
 
 
-def mask_span(tokens: torch.Tensor, ratio: float, mask_id: int, pad_id: int,
-              generator: torch.Generator | None = None) -> torch.Tensor:
+def mask_span(
+    tokens: torch.Tensor, ratio: float, mask_id: int, pad_id: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Per row, max(1, round(ratio·N)) consecutive non-pad tokens set to [MASK], at a uniformly drawn start."""
     lengths = (tokens != pad_id).sum(dim=1)
     spans = (lengths.float() * ratio).round().long().clamp(min=1).minimum(lengths)
@@ -32,8 +33,15 @@ def mask_span(tokens: torch.Tensor, ratio: float, mask_id: int, pad_id: int,
 
 
 @torch.no_grad()
-def evaluate_infilling(model, objective: str, images: Sequence[CaptionImage], ratio: float = 0.3,
-                       sampler: str = "confidence", batch_size: int = 32, seed: int = 0) -> dict:
+def evaluate_infilling(
+    model,
+    objective: str,
+    images: Sequence[CaptionImage],
+    ratio: float = 0.3,
+    sampler: str = "confidence",
+    batch_size: int = 32,
+    seed: int = 0,
+) -> dict:
     """BLEU-4 and CIDEr-D of the filled captions, with every masked and filled caption."""
     if objective not in MASKED_OBJECTIVES:
         raise ValueError(f"infilling needs a masked diffusion model {MASKED_OBJECTIVES}, not {objective!r}")
@@ -42,16 +50,23 @@ def evaluate_infilling(model, objective: str, images: Sequence[CaptionImage], ra
     generator = torch.Generator(device).manual_seed(seed)
     filled, masked_texts = [], []
     for i in range(0, len(images), batch_size):
-        batch = images[i:i + batch_size]
+        batch = images[i : i + batch_size]
         tokens = torch.from_numpy(tokenizer.encode([img.references[0] for img in batch])).to(device)
         masked = mask_span(tokens, ratio, model.mask_id, model.pad_id, generator)
         pixels = preprocess([img.image for img in batch], model.image_size).to(device)
         filled += tokenizer.decode(sample_masked(model, pixels, tokens=masked, strategy=sampler))
         masked_texts += [_with_blank(row, model.mask_id, tokenizer) for row in masked.cpu()]
     metrics = caption_metrics(dict(enumerate(filled)), {i: img.references for i, img in enumerate(images)})
-    return {**metrics, "span_ratio": ratio, "sampler": sampler, "num_images": len(images), "captions": [
-        {"key": img.key, "masked": m, "filled": f, "references": img.references}
-        for img, m, f in zip(images, masked_texts, filled)]}
+    return {
+        **metrics,
+        "span_ratio": ratio,
+        "sampler": sampler,
+        "num_images": len(images),
+        "captions": [
+            {"key": img.key, "masked": m, "filled": f, "references": img.references}
+            for img, m, f in zip(images, masked_texts, filled)
+        ],
+    }
 
 
 def _with_blank(row: torch.Tensor, mask_id: int, tokenizer: CaptionTokenizer) -> str:

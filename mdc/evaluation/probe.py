@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,21 +40,29 @@ def extract_features(model, sources: Sequence[ImageSource], batch_size: int = 12
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(sources), batch_size):
-        images = preprocess(sources[i:i + batch_size], model.image_size).to(device)
+        images = preprocess(sources[i : i + batch_size], model.image_size).to(device)
         out.append(model.encode_image(images).float().cpu().numpy())
     return np.concatenate(out) if out else np.zeros((0, model.dim), np.float32)
 
 
-def fit_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray,
-              cs: Sequence[float] = DEFAULT_CS, val_fraction: float = 0.2, seed: int = 0,
-              max_iter: int = 1000) -> dict:
+def fit_probe(
+    train_x: np.ndarray,
+    train_y: np.ndarray,
+    test_x: np.ndarray,
+    test_y: np.ndarray,
+    cs: Sequence[float] = DEFAULT_CS,
+    val_fraction: float = 0.2,
+    seed: int = 0,
+    max_iter: int = 1000,
+) -> dict:
     """Top-1 test accuracy of a logistic regression whose C is chosen on a held-out part of train."""
     scaler = StandardScaler().fit(train_x)
     train_x, test_x = scaler.transform(train_x), scaler.transform(test_x)
     counts = np.bincount(train_y)
     stratify = train_y if counts[counts > 0].min() >= 2 else None
-    fit_x, val_x, fit_y, val_y = train_test_split(train_x, train_y, test_size=val_fraction,
-                                                  random_state=seed, stratify=stratify)
+    fit_x, val_x, fit_y, val_y = train_test_split(
+        train_x, train_y, test_size=val_fraction, random_state=seed, stratify=stratify
+    )
 
     unconverged = []
 
@@ -71,8 +79,14 @@ def fit_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test
     val_accuracy = {float(c): float(fitted(c, fit_x, fit_y).score(val_x, val_y)) for c in cs}
     best = max(val_accuracy, key=val_accuracy.get)  # the first (strongest regularisation) on ties
     accuracy = float(fitted(best, train_x, train_y).score(test_x, test_y))
-    return {"accuracy": accuracy, "best_c": best, "val_accuracy": val_accuracy,
-            "num_train": int(len(train_y)), "num_test": int(len(test_y)), "unconverged_c": sorted(set(unconverged))}
+    return {
+        "accuracy": accuracy,
+        "best_c": best,
+        "val_accuracy": val_accuracy,
+        "num_train": int(len(train_y)),
+        "num_test": int(len(test_y)),
+        "unconverged_c": sorted(set(unconverged)),
+    }
 
 
 def linear_probe(train: Split, test: Split, features: Callable[[Split], np.ndarray], **fit_options) -> dict:
@@ -87,8 +101,7 @@ def random_init(cfg, seed: int = 0):
     return build_model(cfg, CaptionTokenizer).eval()
 
 
-def probe_shapes(model, data_uri: str, endpoint_url: str | None = None, baseline=None,
-                 batch_size: int = 128) -> dict:
+def probe_shapes(model, data_uri: str, endpoint_url: str | None = None, baseline=None, batch_size: int = 128) -> dict:
     """Probe on a shapes (or tuxpaint) shard dataset: fit on train/, test on val/. With a
     `baseline` model (e.g. `random_init(cfg)`) also reports its accuracy as random_init_accuracy."""
     train, test = (read_split("shapes", data_uri, s, endpoint_url) for s in ("train", "test"))
@@ -108,8 +121,9 @@ def file_fingerprint(path: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def cached_features(cache_dir: str | Path | None, model_key: str, split: Split, root: str,
-                    compute: Callable[[], np.ndarray]) -> np.ndarray:
+def cached_features(
+    cache_dir: str | Path | None, model_key: str, split: Split, root: str, compute: Callable[[], np.ndarray]
+) -> np.ndarray:
     """Features from CACHE/MODEL_KEY/DATASET-SPLIT-ROOTHASH.npy, computed and stored if absent."""
     if cache_dir is None:
         return compute()

@@ -16,9 +16,9 @@ import logging
 import pickle
 import struct
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence, Union
 
 import numpy as np
 from PIL import Image
@@ -30,11 +30,21 @@ from mdc.data.images import decode_image
 
 log = logging.getLogger(__name__)
 
-ImageSource = Union[str, bytes, np.ndarray]  # a file path, encoded image bytes, or (H, W[, C]) uint8
+ImageSource = str | bytes | np.ndarray  # a file path, encoded image bytes, or (H, W[, C]) uint8
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
-FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-                         "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+FASHION_MNIST_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
 
 
 class DatasetFormatError(ValueError):
@@ -70,6 +80,7 @@ def register(*names: str):
         for name in names:
             READERS[name] = fn
         return fn
+
     return wrap
 
 
@@ -103,6 +114,7 @@ def _check_image(path: Path, listing: Path, line: int, field: str) -> str:
 
 
 # ------------------------------------------------------------------------------- folder layouts
+
 
 def _class_dirs(directory: Path) -> list[str]:
     """The sorted class folders of `directory`, as torchvision's ImageFolder finds them."""
@@ -165,8 +177,9 @@ def food101(root: str, split: str) -> Split:
             continue
         cls = entry.split("/", 1)[0]
         if "/" not in entry or cls not in index:
-            raise DatasetFormatError(f"{listing}:{n}: entry {entry!r} lacks the field CLASS (CLASS/ID, "
-                                     f"CLASS from {classes_file.name})")
+            raise DatasetFormatError(
+                f"{listing}:{n}: entry {entry!r} lacks the field CLASS (CLASS/ID, CLASS from {classes_file.name})"
+            )
         sources.append(_check_image(base / "images" / f"{entry}.jpg", listing, n, "CLASS/ID"))
         labels.append(index[cls])
     return Split(f"food101/{split}", sources, np.asarray(labels, dtype=np.int64), class_names)
@@ -197,6 +210,7 @@ def oxford_pets(root: str, split: str) -> Split:
 def csv_split(root: str, split: str) -> Split:
     """ROOT/train.csv and ROOT/test.csv with a header `path,label`; paths relative to ROOT (or
     absolute); class names are the sorted labels of train.csv."""
+
     def rows(file: Path) -> list[tuple[int, dict]]:
         with open(file, newline="") as f:
             reader = csv.DictReader(f)
@@ -222,17 +236,22 @@ def csv_split(root: str, split: str) -> Split:
 
 # ------------------------------------------------------------------------------- array layouts
 
+
 def _without_md5(dataset: type[CIFAR10]) -> type[CIFAR10]:
     """torchvision's `dataset` reading the batches in its `root` itself (not root/cifar-...-py) and
     checking that they exist, not their md5s: those identify the official download, which the project
     never makes, and its tests write small batches in the same layout. A damaged batch still fails,
     when it is unpickled or reshaped."""
-    return type(dataset.__name__, (dataset,), {
-        "base_folder": "",
-        "train_list": [[file, None] for file, _ in dataset.train_list],
-        "test_list": [[file, None] for file, _ in dataset.test_list],
-        "meta": {**dataset.meta, "md5": None},
-    })
+    return type(
+        dataset.__name__,
+        (dataset,),
+        {
+            "base_folder": "",
+            "train_list": [[file, None] for file, _ in dataset.train_list],
+            "test_list": [[file, None] for file, _ in dataset.test_list],
+            "meta": {**dataset.meta, "md5": None},
+        },
+    )
 
 
 def _cifar(dataset: type[CIFAR10], root: str, split: str, label_field: str, name: str) -> Split:
@@ -274,11 +293,11 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
         data = f.read()
-    found, = struct.unpack(">I", data[:4])
+    (found,) = struct.unpack(">I", data[:4])
     if found != magic:
         raise DatasetFormatError(f"{path}: magic number {found:#010x}, expected {magic:#010x}")
     ndim = magic & 0xFF
-    shape = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
+    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
@@ -303,6 +322,7 @@ def fashion_mnist(root: str, split: str) -> Split:
 
 # ------------------------------------------------------------------------------- shard datasets
 
+
 def read_shard_split(uri: str, split: str, endpoint_url: str | None = None, kind: str = "shapes") -> Split:
     """A dataset written by `mdc data shapes|tuxpaint`: train/ for fitting, val/ as the test split,
     label = the sample's JSON `label`, class names from manifest.json."""
@@ -323,4 +343,3 @@ def read_shard_split(uri: str, split: str, endpoint_url: str | None = None, kind
 
 
 SHARD_DATASETS = ("shapes", "tuxpaint")
-

@@ -9,7 +9,7 @@ several templates the class score is log-mean-exp over them (the mixture of the 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -29,8 +29,16 @@ def templates_for(dataset: str) -> tuple[str, ...]:
 
 
 @torch.no_grad()
-def zeroshot_classify(model, split: Split, score: ScoreFn, templates: Sequence[str] = DEFAULT_TEMPLATES,
-                      samples: int = 16, batch_size: int = 32, seed: int = 0, limit: int | None = None) -> dict:
+def zeroshot_classify(
+    model,
+    split: Split,
+    score: ScoreFn,
+    templates: Sequence[str] = DEFAULT_TEMPLATES,
+    samples: int = 16,
+    batch_size: int = 32,
+    seed: int = 0,
+    limit: int | None = None,
+) -> dict:
     """Top-1 accuracy of picking the class whose templated captions score highest."""
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
@@ -38,12 +46,15 @@ def zeroshot_classify(model, split: Split, score: ScoreFn, templates: Sequence[s
     n = min(len(split), limit) if limit else len(split)
     predictions = []
     for i in range(0, n, batch_size):
-        images = preprocess(split.sources[i:min(i + batch_size, n)], model.image_size).to(device)
+        images = preprocess(split.sources[i : min(i + batch_size, n)], model.image_size).to(device)
         texts = [[prompt] * len(images) for prompt in prompts]
         scores = score(model, images, texts, samples=samples, generator=generator)  # (B, classes × templates)
         per_class = scores.view(len(images), len(split.class_names), len(templates))
         per_class = per_class.logsumexp(dim=2) - math.log(len(templates))
         predictions.append(per_class.argmax(dim=1).cpu().numpy())
     predicted = np.concatenate(predictions) if predictions else np.zeros(0, np.int64)
-    return {"accuracy": float((predicted == split.labels[:n]).mean()) if n else float("nan"),
-            "num_test": int(n), "templates": list(templates)}
+    return {
+        "accuracy": float((predicted == split.labels[:n]).mean()) if n else float("nan"),
+        "num_test": int(n),
+        "templates": list(templates),
+    }

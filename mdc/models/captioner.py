@@ -28,8 +28,9 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     # Small enough to train on 2 CPU cores in minutes: 32 px, 4 px patches -> 64 patch tokens.
-    "tiny": Preset("vit_tiny_patch16_224", 32, 2,
-                   (("patch_size", 4), ("embed_dim", 128), ("depth", 4), ("num_heads", 4))),
+    "tiny": Preset(
+        "vit_tiny_patch16_224", 32, 2, (("patch_size", 4), ("embed_dim", 128), ("depth", 4), ("num_heads", 4))
+    ),
     "vit_b32": Preset("vit_base_patch32_224", 224, 6),
     "vit_b16": Preset("vit_base_patch16_224", 224, 6),
     "vit_l14": Preset("vit_large_patch16_224", 224, 6, (("patch_size", 14),)),
@@ -54,8 +55,14 @@ def create_encoder(preset: str, image_size: int, pos_embed: str = "sincos2d") ->
     parameter: never trained, not in the state dict); "learned" keeps timm's."""
     p = PRESETS[preset]
     encoder = timm.create_model(
-        p.timm_name, pretrained=False, num_classes=0, img_size=image_size,
-        class_token=False, global_pool="avg", fc_norm=False, **dict(p.encoder_overrides),
+        p.timm_name,
+        pretrained=False,
+        num_classes=0,
+        img_size=image_size,
+        class_token=False,
+        global_pool="avg",
+        fc_norm=False,
+        **dict(p.encoder_overrides),
     )
     if pos_embed == "sincos2d":
         table = build_sincos2d_pos_embed(list(encoder.patch_embed.grid_size), encoder.embed_dim)
@@ -138,11 +145,23 @@ class DecoderBlock(nn.Module):
 class Captioner(nn.Module):
     """Encoder f_φ and decoder g_ψ. Logits of [MASK] and pad are fixed at −∞ (never predicted)."""
 
-    def __init__(self, preset: str = "tiny", vocab_size: int = 49410, mask_id: int = 49408,
-                 pad_id: int = 49409, bos_id: int = 49406, eos_id: int = 49407, max_length: int = 32,
-                 image_size: int | None = None, decoder_layers: int | None = None,
-                 time_conditioning: bool = False, concentrated_attention: bool = False,
-                 predict_length: bool = False, null_image: bool = False, encoder_pos_embed: str = "sincos2d"):
+    def __init__(
+        self,
+        preset: str = "tiny",
+        vocab_size: int = 49410,
+        mask_id: int = 49408,
+        pad_id: int = 49409,
+        bos_id: int = 49406,
+        eos_id: int = 49407,
+        max_length: int = 32,
+        image_size: int | None = None,
+        decoder_layers: int | None = None,
+        time_conditioning: bool = False,
+        concentrated_attention: bool = False,
+        predict_length: bool = False,
+        null_image: bool = False,
+        encoder_pos_embed: str = "sincos2d",
+    ):
         super().__init__()
         p = PRESETS[preset]
         self.image_size = image_size or p.image_size
@@ -156,10 +175,12 @@ class Captioner(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, max_length + 1, dim))  # +1: AR's BOS shift
         nn.init.normal_(self.pos_embed, std=0.02)
         nn.init.normal_(self.token_embed.weight, std=0.02)
-        self.time_mlp = (nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
-                         if time_conditioning else None)
-        self.blocks = nn.ModuleList(DecoderBlock(dim, heads, time_conditioning)
-                                    for _ in range(decoder_layers or p.decoder_layers))
+        self.time_mlp = (
+            nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim)) if time_conditioning else None
+        )
+        self.blocks = nn.ModuleList(
+            DecoderBlock(dim, heads, time_conditioning) for _ in range(decoder_layers or p.decoder_layers)
+        )
         self.norm = nn.LayerNorm(dim)
         # DDCap switches (mdc/ddcap.py): a caption-length classifier on the pooled image feature, and
         # a learned null image that stands in for V in image-free training and guidance.
@@ -203,16 +224,23 @@ class Captioner(nn.Module):
         """The learned null image as V (B, 1, D): what the decoder sees without an image."""
         return self.null_image.expand(batch_size, -1, -1)
 
-    def hidden_states(self, tokens: torch.Tensor, features: torch.Tensor | list, t: torch.Tensor | None = None,
-                      causal: torch.Tensor | bool = False, cache: list[dict] | None = None, offset: int = 0,
-                      inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor | list,
+        t: torch.Tensor | None = None,
+        causal: torch.Tensor | bool = False,
+        cache: list[dict] | None = None,
+        offset: int = 0,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The decoder's final (normalised) states (B, L, D); see `decode`. `inputs_embeds` (B, L, D)
         replaces the token embeddings as input (continuous diffusion); `tokens` still decide which
         keys are hidden (pad, and [MASK] with concentrated attention)."""
         per_block = features if isinstance(features, list) else [features] * len(self.blocks)
         n = tokens.shape[1]
         x = self.token_embed(tokens) if inputs_embeds is None else inputs_embeds
-        x = (x + self.pos_embed[:, offset:offset + n]).to(self.pos_embed.dtype)
+        x = (x + self.pos_embed[:, offset : offset + n]).to(self.pos_embed.dtype)
         t_emb = None
         if self.time_mlp is not None:
             if t is None:
@@ -227,10 +255,17 @@ class Captioner(nn.Module):
         """Vocabulary logits of decoder states: the tied output layer, [MASK] and pad at −∞."""
         return F.linear(x, self.token_embed.weight).float() + self.logit_bias
 
-    def decode(self, tokens: torch.Tensor, features: torch.Tensor | list, t: torch.Tensor | None = None,
-               causal: torch.Tensor | bool = False, cache: list[dict] | None = None,
-               offset: int = 0, where: torch.Tensor | None = None,
-               inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor | list,
+        t: torch.Tensor | None = None,
+        causal: torch.Tensor | bool = False,
+        cache: list[dict] | None = None,
+        offset: int = 0,
+        where: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits (B, L, vocab) for `tokens` given image features (or their precomputed K/V).
 
         With `where` (B, L) boolean, only the logits at those positions, flattened to (M, vocab):
@@ -252,8 +287,9 @@ class Captioner(nn.Module):
         `return_length`, also the caption-length logits of the pooled image feature:
         (logits, length_logits)."""
         features = self.encode(images)
-        condition = features if image_free is None else \
-            torch.where(image_free[:, None, None], self.null_image, features)
+        condition = (
+            features if image_free is None else torch.where(image_free[:, None, None], self.null_image, features)
+        )
         logits = self.decode(tokens, condition, t=t, causal=causal, where=where)
         if return_length:
             return logits, self.length_head(features.mean(dim=1))

@@ -27,6 +27,7 @@ COSINE_OFFSET = 0.008  # s of the cosine schedule: keeps ᾱ_t from dropping too
 
 def alpha_bar(t: torch.Tensor) -> torch.Tensor:
     """ᾱ_t = f(t)/f(0), f(t) = cos²((t + s)/(1 + s)·π/2): 1 at t = 0, 0 at t = 1."""
+
     def f(x):
         return torch.cos((x + COSINE_OFFSET) / (1 + COSINE_OFFSET) * math.pi / 2) ** 2
 

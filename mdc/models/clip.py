@@ -29,9 +29,17 @@ MAX_LOGIT_SCALE = 100.0  # CLIP keeps the temperature's inverse at most 100
 
 
 class ClipModel(nn.Module):
-    def __init__(self, preset: str = "tiny", max_length: int = 32, image_size: int | None = None,
-                 text_layers: int | None = None, bos_id: int = 49406, eos_id: int = 49407, pad_id: int = 49409,
-                 encoder_pos_embed: str = "sincos2d"):
+    def __init__(
+        self,
+        preset: str = "tiny",
+        max_length: int = 32,
+        image_size: int | None = None,
+        text_layers: int | None = None,
+        bos_id: int = 49406,
+        eos_id: int = 49407,
+        pad_id: int = 49409,
+        encoder_pos_embed: str = "sincos2d",
+    ):
         super().__init__()
         p = PRESETS[preset]
         self.image_size = image_size or p.image_size
@@ -40,8 +48,14 @@ class ClipModel(nn.Module):
         self.encoder = create_encoder(preset, self.image_size, encoder_pos_embed)
         dim = self.encoder.embed_dim
         self.image_proj = nn.Linear(dim, dim, bias=False)
-        self.text = TextTransformer(context_length=max_length + 2, vocab_size=eos_id + 1, width=dim,
-                                    heads=num_heads(dim), layers=text_layers or p.decoder_layers, output_dim=dim)
+        self.text = TextTransformer(
+            context_length=max_length + 2,
+            vocab_size=eos_id + 1,
+            width=dim,
+            heads=num_heads(dim),
+            layers=text_layers or p.decoder_layers,
+            output_dim=dim,
+        )
         self.logit_scale = nn.Parameter(torch.full((1,), math.log(1 / 0.07)))  # 1-D: FSDP shards no scalars
 
     @property
@@ -65,7 +79,7 @@ class ClipModel(nn.Module):
         real = tokens != self.pad_id
         text = torch.zeros(b, n + 2, dtype=tokens.dtype, device=tokens.device)
         text[:, 0] = self.bos_id
-        text[:, 1:n + 1] = torch.where(real, tokens, 0)
+        text[:, 1 : n + 1] = torch.where(real, tokens, 0)
         text[torch.arange(b, device=tokens.device), real.sum(1) + 1] = self.eos_id
         return text
 

@@ -22,8 +22,14 @@ from mdc import ddcap
 T_MIN = 1e-3  # the smallest noise level the ELBO estimators draw (MDLM's sampling_eps)
 
 
-def sample_t(n: int, omega_l: float, omega_u: float, antithetic: bool = True,
-             generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+def sample_t(
+    n: int,
+    omega_l: float,
+    omega_u: float,
+    antithetic: bool = True,
+    generator: torch.Generator | None = None,
+    device=None,
+) -> torch.Tensor:
     """t ~ U[ω_l, ω_u]. Antithetic: one draw per stratum [i/n, (i+1)/n) of the interval, a
     low-discrepancy batch that lowers the variance of the loss estimate (MDLM)."""
     u = torch.rand(n, generator=generator, device=device)
@@ -32,8 +38,14 @@ def sample_t(n: int, omega_l: float, omega_u: float, antithetic: bool = True,
     return omega_l + (omega_u - omega_l) * u
 
 
-def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, mask_id: int, pad_id: int,
-                generator: torch.Generator | None = None, force_one: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def mask_tokens(
+    tokens: torch.Tensor,
+    t: torch.Tensor,
+    mask_id: int,
+    pad_id: int,
+    generator: torch.Generator | None = None,
+    force_one: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask each non-pad token independently with probability t (per row). With `force_one` a row
     left with no masked token gets one at a random non-pad position — for the objectives that
     average over masked tokens (CMLM, BERT), never for the 1/t-weighted ELBO, which it would bias."""
@@ -47,8 +59,18 @@ def mask_tokens(tokens: torch.Tensor, t: torch.Tensor, mask_id: int, pad_id: int
     return torch.where(masked, mask_id, tokens), masked
 
 
-def masked_diffusion_loss(model, images, tokens, kind: str, omega_l=0.5, omega_u=1.0,
-                          antithetic=True, mask_ratio=0.15, generator=None, image_free_prob=0.0):
+def masked_diffusion_loss(
+    model,
+    images,
+    tokens,
+    kind: str,
+    omega_l=0.5,
+    omega_u=1.0,
+    antithetic=True,
+    mask_ratio=0.15,
+    generator=None,
+    image_free_prob=0.0,
+):
     """`mdc`: the ELBO, 1/t-weighted, normalised by non-pad tokens, nothing forced; `cmlm`: same
     t, the weight dropped, mean over masked tokens; `bert`: a fixed ratio instead of a sampled t,
     mean over masked tokens. The two means need a masked token per caption, so theirs is forced.
@@ -74,8 +96,10 @@ def masked_diffusion_loss(model, images, tokens, kind: str, omega_l=0.5, omega_u
         loss = (weight * nll).sum() / (tokens != model.pad_id).sum()
     else:
         loss = nll.mean()
-    metrics = {"masked_fraction": masked.sum() / (tokens != model.pad_id).sum(),
-               "nll_masked": nll.detach().sum() / max(nll.numel(), 1)}
+    metrics = {
+        "masked_fraction": masked.sum() / (tokens != model.pad_id).sum(),
+        "nll_masked": nll.detach().sum() / max(nll.numel(), 1),
+    }
     if length_logits is not None:
         length_ce = ddcap.length_loss(length_logits.float(), tokens, model.pad_id)  # float32 CE under bf16
         loss = loss + length_ce

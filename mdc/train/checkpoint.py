@@ -67,8 +67,9 @@ def _state(model, optimizer, ema) -> dict:
     return state
 
 
-def stage_training_state(directory: str | Path, model, optimizer, scheduler, ema, trainer_state: dict,
-                         extra_state: dict, rank: int) -> None:
+def stage_training_state(
+    directory: str | Path, model, optimizer, scheduler, ema, trainer_state: dict, extra_state: dict, rank: int
+) -> None:
     """Collective: every rank writes its shard into its own local `directory` (rank 0 also the
     DCP metadata and trainer_state.json); `upload_shard` then moves them into the run's storage."""
     dcp.save(_state(model, optimizer, ema), checkpoint_id=str(directory))
@@ -93,8 +94,9 @@ def upload_shard(local_dir: str | Path, uri: str, endpoint_url: str | None = Non
     return written
 
 
-def commit(uri: str, step: int, written: dict[str, dict], rank: int, endpoint_url: str | None = None,
-           group=None) -> None:
+def commit(
+    uri: str, step: int, written: dict[str, dict], rank: int, endpoint_url: str | None = None, group=None
+) -> None:
     """Collective (over `group`, default: all ranks), after `upload_shard` on every rank: rank 0
     writes the completion marker listing every rank's files; when this returns on any rank, the
     checkpoint is complete."""
@@ -159,8 +161,7 @@ def problem(uri: str, endpoint_url: str | None = None, checksums: bool = True) -
         return f"no {MARKER}: a worker stopped before every shard was written"
     except (ValueError, KeyError, TypeError):
         return f"{MARKER} is unreadable"
-    sizes = {i.base_name: i.size for i in fs.get_file_info(pafs.FileSelector(path))
-             if i.type == pafs.FileType.File}
+    sizes = {i.base_name: i.size for i in fs.get_file_info(pafs.FileSelector(path)) if i.type == pafs.FileType.File}
     for name, meta in expected.items():
         if name not in sizes:
             return f"{name} is missing"
@@ -235,8 +236,10 @@ def full_weights(model, ema=None) -> dict[str, torch.Tensor]:
     """Collective: the unsharded float32 weights on CPU (the EMA weights when EMA is on)."""
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if ema is not None:
-        weights = {name: (value.full_tensor() if hasattr(value, "full_tensor") else value).cpu()
-                   for name, value in ema.state_dict().items()}
+        weights = {
+            name: (value.full_tensor() if hasattr(value, "full_tensor") else value).cpu()
+            for name, value in ema.state_dict().items()
+        }
     return {name: value.float().contiguous() for name, value in weights.items()}
 
 
@@ -266,12 +269,18 @@ def fetch_checkpoint(uri: str | Path, endpoint_url: str | None = None, cache_dir
     partial = Path(tempfile.mkdtemp(dir=root, prefix=".partial-"))
     for name in (WEIGHTS, CONFIG):
         try:
-            pafs.copy_files(f"{path}/{name}", str(partial / name), source_filesystem=fs,
-                            destination_filesystem=pafs.LocalFileSystem())
+            pafs.copy_files(
+                f"{path}/{name}",
+                str(partial / name),
+                source_filesystem=fs,
+                destination_filesystem=pafs.LocalFileSystem(),
+            )
         except OSError as e:
             shutil.rmtree(partial, ignore_errors=True)
-            raise FileNotFoundError(f"{storage.join(uri, name)} cannot be read: not an exported mdc "
-                                    f"checkpoint, or the store is unreachable ({e})") from e
+            raise FileNotFoundError(
+                f"{storage.join(uri, name)} cannot be read: not an exported mdc "
+                f"checkpoint, or the store is unreachable ({e})"
+            ) from e
     shutil.rmtree(local, ignore_errors=True)  # an incomplete copy from an interrupted download
     try:
         partial.rename(local)
@@ -280,8 +289,9 @@ def fetch_checkpoint(uri: str | Path, endpoint_url: str | None = None, cache_dir
     return local
 
 
-def load_pretrained(directory: str | Path, device: str = "cpu", endpoint_url: str | None = None,
-                    cache_dir: str | Path | None = None):
+def load_pretrained(
+    directory: str | Path, device: str = "cpu", endpoint_url: str | None = None, cache_dir: str | Path | None = None
+):
     """(model in eval mode, RunConfig) from an exported checkpoint directory (local or s3://)."""
     directory = fetch_checkpoint(directory, endpoint_url, cache_dir)
     for name in (WEIGHTS, CONFIG):

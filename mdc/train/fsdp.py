@@ -32,8 +32,9 @@ def compile_available(device: torch.device | str) -> str | None:
     return None
 
 
-def prepare_model(model, device, *, bf16: bool, activation_checkpointing: bool = False,
-                  compile: bool = False, shard: bool = True) -> None:
+def prepare_model(
+    model, device, *, bf16: bool, activation_checkpointing: bool = False, compile: bool = False, shard: bool = True
+) -> None:
     """Activation checkpointing and `torch.compile` per block (when asked), then `apply_fsdp`
     (`shard`). Where compilation is unavailable the blocks run eagerly, with a warning that says why."""
     blocks = transformer_blocks(model)
@@ -46,8 +47,9 @@ def prepare_model(model, device, *, bf16: bool, activation_checkpointing: bool =
             for block in blocks:
                 block.compile()
         else:
-            warnings.warn(f"train.compile: torch.compile does not work on {device} ({reason}); "
-                          "training uncompiled", stacklevel=2)
+            warnings.warn(
+                f"train.compile: torch.compile does not work on {device} ({reason}); training uncompiled", stacklevel=2
+            )
     if shard:
         apply_fsdp(model, bf16)
 
@@ -63,8 +65,9 @@ def apply_fsdp(model, bf16: bool) -> None:
     Blocks stay gathered from forward to backward (`reshard_after_forward=False`): one all-gather
     per step instead of two; why: docs/design.md §11, 'FSDP resharding'.
     """
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-        else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     for block in transformer_blocks(model):
         fully_shard(block, mp_policy=policy, reshard_after_forward=False)
     # The root keeps its float inputs as given: cast to bf16, the noise level t (masked diffusion,

@@ -15,8 +15,7 @@ def build_optimizer(model: nn.Module, optim) -> torch.optim.AdamW:
     """AdamW; biases, norms, embeddings' positions and other 1-D parameters are not decayed."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": optim.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2))
 
 
@@ -52,12 +51,23 @@ class EMA:
             self.shadow[n].copy_(v)
 
 
-def train_step(model, optimizer, scheduler, images, tokens, objective, grad_clip: float,
-               generator=None, ema: EMA | None = None, micro_batches: int = 1) -> dict:
+def train_step(
+    model,
+    optimizer,
+    scheduler,
+    images,
+    tokens,
+    objective,
+    grad_clip: float,
+    generator=None,
+    ema: EMA | None = None,
+    micro_batches: int = 1,
+) -> dict:
     """`device_step` with its metrics read back as floats: for callers that look at every step
     (tests, benchmarks); each read is a host sync."""
-    metrics = device_step(model, optimizer, scheduler, images, tokens, objective, grad_clip, generator, ema,
-                          micro_batches)
+    metrics = device_step(
+        model, optimizer, scheduler, images, tokens, objective, grad_clip, generator, ema, micro_batches
+    )
     return {k: float(as_plain(v)) for k, v in metrics.items()}
 
 
@@ -66,8 +76,18 @@ def as_plain(value):
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
-def device_step(model, optimizer, scheduler, images, tokens, objective, grad_clip: float,
-                generator=None, ema: EMA | None = None, micro_batches: int = 1) -> dict:
+def device_step(
+    model,
+    optimizer,
+    scheduler,
+    images,
+    tokens,
+    objective,
+    grad_clip: float,
+    generator=None,
+    ema: EMA | None = None,
+    micro_batches: int = 1,
+) -> dict:
     """Forward, backward, clip, step. Returns the metrics (loss, grad_norm, ...) as tensors on the
     device, so a step forces no host sync, and lr as a float (the scheduler's, on the host).
 

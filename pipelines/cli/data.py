@@ -15,10 +15,13 @@ data_app = typer.Typer(no_args_is_help=True, help="Write datasets as shards (loc
 
 
 @data_app.command("shapes")
-def data_shapes(out: str = typer.Option(..., help="output folder or s3://bucket/prefix"),
-                num: int = typer.Option(2000, min=1), seed: int = 0,
-                format: str = typer.Option("webdataset", help="webdataset | parquet"),
-                endpoint_url: Optional[str] = None):
+def data_shapes(
+    out: str = typer.Option(..., help="output folder or s3://bucket/prefix"),
+    num: int = typer.Option(2000, min=1),
+    seed: int = 0,
+    format: str = typer.Option("webdataset", help="webdataset | parquet"),
+    endpoint_url: Optional[str] = None,
+):
     """The generated compositional shapes dataset (train/, val/, compositionality files)."""
 
     manifest = write_shapes_dataset(out, num=num, seed=seed, format=format, endpoint_url=endpoint_url)
@@ -26,9 +29,11 @@ def data_shapes(out: str = typer.Option(..., help="output folder or s3://bucket/
 
 
 @data_app.command("tuxpaint")
-def data_tuxpaint(out: str = typer.Option(..., help="output folder or s3://bucket/prefix"),
-                  format: str = typer.Option("webdataset", help="webdataset | parquet"),
-                  endpoint_url: Optional[str] = None):
+def data_tuxpaint(
+    out: str = typer.Option(..., help="output folder or s3://bucket/prefix"),
+    format: str = typer.Option("webdataset", help="webdataset | parquet"),
+    endpoint_url: Optional[str] = None,
+):
     """Debian's tuxpaint-stamps-default (real images with English captions) as shards."""
 
     manifest = write_tuxpaint_dataset(out, format=format, endpoint_url=endpoint_url)
@@ -36,11 +41,14 @@ def data_tuxpaint(out: str = typer.Option(..., help="output folder or s3://bucke
 
 
 @data_app.command("img2dataset")
-def data_img2dataset(out: str = typer.Option(..., help="output folder (local)"),
-                     format: str = typer.Option("webdataset", help="img2dataset's --output_format: webdataset | parquet"),
-                     num: int = typer.Option(200, min=1), samples_per_shard: int = typer.Option(50, min=1),
-                     image_size: int = typer.Option(64, min=8, help="shorter side of the JPEGs"),
-                     damaged: bool = typer.Option(False, help="also break it as real downloads break")):
+def data_img2dataset(
+    out: str = typer.Option(..., help="output folder (local)"),
+    format: str = typer.Option("webdataset", help="img2dataset's --output_format: webdataset | parquet"),
+    num: int = typer.Option(200, min=1),
+    samples_per_shard: int = typer.Option(50, min=1),
+    image_size: int = typer.Option(64, min=8, help="shorter side of the JPEGs"),
+    damaged: bool = typer.Option(False, help="also break it as real downloads break"),
+):
     """A folder laid out exactly as img2dataset writes it (side files, failed rows), from generated images."""
 
     with user_errors(ValueError):

@@ -24,7 +24,9 @@ from pipelines import reports
 from pipelines.console import console
 from pipelines.console import user_errors as console_user_errors
 
-eval_app = typer.Typer(no_args_is_help=True, help="Evaluate a checkpoint: probe, zeroshot, compositionality, captions, infill.")
+eval_app = typer.Typer(
+    no_args_is_help=True, help="Evaluate a checkpoint: probe, zeroshot, compositionality, captions, infill."
+)
 
 CHECKPOINT = typer.Option(..., help="exported checkpoint directory (model.safetensors + config.yaml), local or s3://")
 ENDPOINT = typer.Option(None, help="S3 endpoint for s3:// checkpoints and data")
@@ -35,8 +37,16 @@ SCORER = typer.Option("auto", help="auto | ar | heuristic | montecarlo | clip | 
 SAMPLES = typer.Option(16, min=1, help="Monte Carlo draws of (t, mask) per caption")
 
 
-def report(result: dict, metrics: dict, out: Path, mlflow_uri: str, run_id: str | None, run_name: str,
-           params: dict, extra_artifacts: tuple[Path, ...] = ()) -> None:
+def report(
+    result: dict,
+    metrics: dict,
+    out: Path,
+    mlflow_uri: str,
+    run_id: str | None,
+    run_name: str,
+    params: dict,
+    extra_artifacts: tuple[Path, ...] = (),
+) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     for name, value in metrics.items():
@@ -67,21 +77,24 @@ def run_name(kind: str, target: str, checkpoint: str) -> str:
 
 # ------------------------------------------------------------------------------------- commands
 
+
 @eval_app.command("probe")
 def probe_command(
-        checkpoint: str = CHECKPOINT,
-        dataset: str = typer.Option(..., help=f"one of {', '.join(readers.dataset_kinds())}"),
-        root: Optional[str] = typer.Option(None, help="dataset root (fashion-mnist: Debian's by default)"),
-        endpoint_url: Optional[str] = ENDPOINT,
-        cache_dir: Optional[Path] = typer.Option(None, help="cache features here, by checkpoint and split"),
-        baseline: bool = typer.Option(True, help="also probe the same architecture at random init"),
-        batch_size: int = typer.Option(128, min=1),
-        ray_threshold: int = typer.Option(20_000, help="use Ray batch inference from this many images"),
-        num_actors: int = typer.Option(1, min=1, help="Ray inference actors"),
-        address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
-        device: str = DEVICE,
-        out: Path = typer.Option(Path("eval_probe.json")),
-        mlflow_uri: str = MLFLOW_URI, run_id: Optional[str] = RUN_ID):
+    checkpoint: str = CHECKPOINT,
+    dataset: str = typer.Option(..., help=f"one of {', '.join(readers.dataset_kinds())}"),
+    root: Optional[str] = typer.Option(None, help="dataset root (fashion-mnist: Debian's by default)"),
+    endpoint_url: Optional[str] = ENDPOINT,
+    cache_dir: Optional[Path] = typer.Option(None, help="cache features here, by checkpoint and split"),
+    baseline: bool = typer.Option(True, help="also probe the same architecture at random init"),
+    batch_size: int = typer.Option(128, min=1),
+    ray_threshold: int = typer.Option(20_000, help="use Ray batch inference from this many images"),
+    num_actors: int = typer.Option(1, min=1, help="Ray inference actors"),
+    address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
+    device: str = DEVICE,
+    out: Path = typer.Option(Path("eval_probe.json")),
+    mlflow_uri: str = MLFLOW_URI,
+    run_id: Optional[str] = RUN_ID,
+):
     """Linear probe: frozen pooled features, logistic regression with C chosen on held-out train."""
     from pipelines.evaluate import Extractor, checkpoint_model, random_init_model  # Ray: seconds to import
 
@@ -92,8 +105,15 @@ def probe_command(
         root = root or readers.FASHION_MNIST_ROOT
         train, test = (readers.read_split(dataset, root, s, endpoint_url) for s in ("train", "test"))
         console.print(f"{dataset}: {len(train)} train / {len(test)} test images, {len(train.class_names)} classes")
-        common = dict(root=root, batch_size=batch_size, ray_threshold=ray_threshold, num_actors=num_actors,
-                      address=address, cache_dir=cache_dir, num_gpus=1 if device.startswith("cuda") else 0)
+        common = dict(
+            root=root,
+            batch_size=batch_size,
+            ray_threshold=ray_threshold,
+            num_actors=num_actors,
+            address=address,
+            cache_dir=cache_dir,
+            num_gpus=1 if device.startswith("cuda") else 0,
+        )
         key = probe.file_fingerprint(directory / ckpt.WEIGHTS) if cache_dir else ""
         trained = Extractor(model, functools.partial(checkpoint_model, str(directory), device), key, **common)
         result = probe.linear_probe(train, test, trained)
@@ -101,72 +121,117 @@ def probe_command(
         if baseline:
             fresh = probe.random_init(cfg).to(device)
             config_hash = probe.file_fingerprint(directory / ckpt.CONFIG) if cache_dir else ""
-            untrained = Extractor(fresh, functools.partial(random_init_model, cfg, device), f"random-init-{config_hash}",
-                                  **common)
+            untrained = Extractor(
+                fresh, functools.partial(random_init_model, cfg, device), f"random-init-{config_hash}", **common
+            )
             result["random_init_accuracy"] = probe.linear_probe(train, test, untrained)["accuracy"]
             metrics[f"eval/probe/{dataset}/random_init_accuracy"] = result["random_init_accuracy"]
         result["checkpoint"] = checkpoint
-    report(result, metrics, out, mlflow_uri, run_id, run_name("probe", dataset, checkpoint),
-           {"checkpoint": checkpoint, "dataset": dataset, "root": root})
+    report(
+        result,
+        metrics,
+        out,
+        mlflow_uri,
+        run_id,
+        run_name("probe", dataset, checkpoint),
+        {"checkpoint": checkpoint, "dataset": dataset, "root": root},
+    )
 
 
 @eval_app.command("zeroshot")
 def zeroshot_command(
-        checkpoint: str = CHECKPOINT,
-        dataset: str = typer.Option(..., help=f"one of {', '.join(readers.dataset_kinds())}"),
-        root: Optional[str] = typer.Option(None, help="dataset root (fashion-mnist: Debian's by default)"),
-        template: Optional[List[str]] = typer.Option(None, help="caption template with {} for the class "
-                                                     "name; repeat to ensemble (default by dataset)"),
-        scorer: str = SCORER, samples: int = SAMPLES, seed: int = 0,
-        limit: Optional[int] = typer.Option(None, help="classify only the first N test images"),
-        batch_size: int = typer.Option(32, min=1),
-        endpoint_url: Optional[str] = ENDPOINT, device: str = DEVICE,
-        out: Path = typer.Option(Path("eval_zeroshot.json")),
-        mlflow_uri: str = MLFLOW_URI, run_id: Optional[str] = RUN_ID):
+    checkpoint: str = CHECKPOINT,
+    dataset: str = typer.Option(..., help=f"one of {', '.join(readers.dataset_kinds())}"),
+    root: Optional[str] = typer.Option(None, help="dataset root (fashion-mnist: Debian's by default)"),
+    template: Optional[List[str]] = typer.Option(
+        None, help="caption template with {} for the class name; repeat to ensemble (default by dataset)"
+    ),
+    scorer: str = SCORER,
+    samples: int = SAMPLES,
+    seed: int = 0,
+    limit: Optional[int] = typer.Option(None, help="classify only the first N test images"),
+    batch_size: int = typer.Option(32, min=1),
+    endpoint_url: Optional[str] = ENDPOINT,
+    device: str = DEVICE,
+    out: Path = typer.Option(Path("eval_zeroshot.json")),
+    mlflow_uri: str = MLFLOW_URI,
+    run_id: Optional[str] = RUN_ID,
+):
     """Zero-shot classification: the class whose templated caption the model scores highest."""
     with user_errors():
         model, cfg, _ = load(checkpoint, endpoint_url, device)
         test = readers.read_split(dataset, root or readers.FASHION_MNIST_ROOT, "test", endpoint_url)
         name, score = compositionality.get_scorer(scorer, cfg.objective.name)
         templates = tuple(template) if template else zeroshot.templates_for(dataset)
-        result = {"dataset": dataset, "scorer": name, "samples": samples, "checkpoint": checkpoint,
-                  **zeroshot.zeroshot_classify(model, test, score, templates, samples, batch_size, seed, limit)}
-    report(result, {f"eval/zeroshot/{dataset}/accuracy": result["accuracy"]}, out, mlflow_uri, run_id,
-           run_name("zeroshot", dataset, checkpoint), {"checkpoint": checkpoint, "dataset": dataset, "scorer": name})
+        result = {
+            "dataset": dataset,
+            "scorer": name,
+            "samples": samples,
+            "checkpoint": checkpoint,
+            **zeroshot.zeroshot_classify(model, test, score, templates, samples, batch_size, seed, limit),
+        }
+    report(
+        result,
+        {f"eval/zeroshot/{dataset}/accuracy": result["accuracy"]},
+        out,
+        mlflow_uri,
+        run_id,
+        run_name("zeroshot", dataset, checkpoint),
+        {"checkpoint": checkpoint, "dataset": dataset, "scorer": name},
+    )
 
 
 @eval_app.command("compositionality")
 def compositionality_command(
-        checkpoint: str = CHECKPOINT,
-        benchmark: str = typer.Option(..., help="aro | sugarcrepe"),
-        root: Path = typer.Option(..., help="folder with the benchmark's JSON files"),
-        image_dir: Optional[Path] = typer.Option(None, help="image folder (default ROOT/images)"),
-        subsets: Optional[str] = typer.Option(None, help="comma-separated subsets (default: every file present)"),
-        scorer: str = SCORER, samples: int = SAMPLES, seed: int = 0,
-        normalize: str = typer.Option("none", help="none: summed log-likelihood | token: per-token mean"),
-        limit: Optional[int] = typer.Option(None, help="score only the first N items of each subset"),
-        batch_size: int = typer.Option(32, min=1),
-        endpoint_url: Optional[str] = ENDPOINT, device: str = DEVICE,
-        out: Path = typer.Option(Path("eval_compositionality.json")),
-        mlflow_uri: str = MLFLOW_URI, run_id: Optional[str] = RUN_ID):
+    checkpoint: str = CHECKPOINT,
+    benchmark: str = typer.Option(..., help="aro | sugarcrepe"),
+    root: Path = typer.Option(..., help="folder with the benchmark's JSON files"),
+    image_dir: Optional[Path] = typer.Option(None, help="image folder (default ROOT/images)"),
+    subsets: Optional[str] = typer.Option(None, help="comma-separated subsets (default: every file present)"),
+    scorer: str = SCORER,
+    samples: int = SAMPLES,
+    seed: int = 0,
+    normalize: str = typer.Option("none", help="none: summed log-likelihood | token: per-token mean"),
+    limit: Optional[int] = typer.Option(None, help="score only the first N items of each subset"),
+    batch_size: int = typer.Option(32, min=1),
+    endpoint_url: Optional[str] = ENDPOINT,
+    device: str = DEVICE,
+    out: Path = typer.Option(Path("eval_compositionality.json")),
+    mlflow_uri: str = MLFLOW_URI,
+    run_id: Optional[str] = RUN_ID,
+):
     """ARO / SugarCrepe: share of images whose true caption scores above every manipulated one, and
     beside it the blind accuracy (each caption pair scored against another item's image)."""
     with user_errors():
         model, cfg, _ = load(checkpoint, endpoint_url, device)
-        items = compositionality.read_benchmark(benchmark, root, image_dir, subsets.split(",") if subsets else None,
-                                                seed=seed)
+        items = compositionality.read_benchmark(
+            benchmark, root, image_dir, subsets.split(",") if subsets else None, seed=seed
+        )
         name, score = compositionality.get_scorer(scorer, cfg.objective.name)
-        result = {"benchmark": benchmark, "scorer": name, "samples": samples, "checkpoint": checkpoint,
-                  **compositionality.evaluate_compositionality(model, items, score, samples, batch_size, seed, limit,
-                                                               normalize)}
+        result = {
+            "benchmark": benchmark,
+            "scorer": name,
+            "samples": samples,
+            "checkpoint": checkpoint,
+            **compositionality.evaluate_compositionality(
+                model, items, score, samples, batch_size, seed, limit, normalize
+            ),
+        }
     print_compositionality(result)
     metrics = {f"eval/{benchmark}/{subset}": acc for subset, acc in result["accuracy"].items()}
-    metrics |= {f"eval/{benchmark}/{subset}/blind": acc for subset, acc in result["blind_accuracy"].items()
-                if acc is not None}
+    metrics |= {
+        f"eval/{benchmark}/{subset}/blind": acc for subset, acc in result["blind_accuracy"].items() if acc is not None
+    }
     metrics[f"eval/{benchmark}/macro"] = result["macro_accuracy"]
-    report(result, metrics, out, mlflow_uri, run_id, run_name(benchmark, name, checkpoint),
-           {"checkpoint": checkpoint, "benchmark": benchmark, "scorer": name, "samples": samples,
-            "normalize": normalize})
+    report(
+        result,
+        metrics,
+        out,
+        mlflow_uri,
+        run_id,
+        run_name(benchmark, name, checkpoint),
+        {"checkpoint": checkpoint, "benchmark": benchmark, "scorer": name, "samples": samples, "normalize": normalize},
+    )
 
 
 def print_compositionality(result: dict) -> None:
@@ -176,26 +241,38 @@ def print_compositionality(result: dict) -> None:
         table.add_column(column, justify="left" if column in ("subset", "") else "right")
     for subset, accuracy in result["accuracy"].items():
         blind = result["blind_accuracy"][subset]
-        flag = f"length/text-biased (blind > {compositionality.BLIND_BIAS_THRESHOLD})" if subset in result["text_biased"] else ""
-        table.add_row(subset, str(result["num_items"][subset]), f"{accuracy:.3f}",
-                      "n/a" if blind is None else f"{blind:.3f}", flag)
+        flag = (
+            f"length/text-biased (blind > {compositionality.BLIND_BIAS_THRESHOLD})"
+            if subset in result["text_biased"]
+            else ""
+        )
+        table.add_row(
+            subset,
+            str(result["num_items"][subset]),
+            f"{accuracy:.3f}",
+            "n/a" if blind is None else f"{blind:.3f}",
+            flag,
+        )
     console.print(table)
 
 
 @eval_app.command("captions")
 def captions_command(
-        checkpoint: str = CHECKPOINT,
-        data: str = typer.Option(..., help="shards with reference captions (local or s3://)"),
-        lengths: str = typer.Option("10,15,20", help="caption lengths N' (max tokens for autoregressive models)"),
-        sampler: str = typer.Option("confidence", help="confidence | ancestral (masked diffusion)"),
-        steps: Optional[int] = typer.Option(None, help="denoising steps (default N', one token per step)"),
-        guidance_scale: float = typer.Option(1.0, help="DDCap guidance s (image-free-trained models; DDCap: 1.06)"),
-        limit: Optional[int] = typer.Option(100, help="caption the first N distinct images"),
-        batch_size: int = typer.Option(32, min=1),
-        endpoint_url: Optional[str] = ENDPOINT, device: str = DEVICE,
-        out: Path = typer.Option(Path("eval_captions.json")),
-        html: Optional[Path] = typer.Option(None, help="captions page (default: report.html beside --out)"),
-        mlflow_uri: str = MLFLOW_URI, run_id: Optional[str] = RUN_ID):
+    checkpoint: str = CHECKPOINT,
+    data: str = typer.Option(..., help="shards with reference captions (local or s3://)"),
+    lengths: str = typer.Option("10,15,20", help="caption lengths N' (max tokens for autoregressive models)"),
+    sampler: str = typer.Option("confidence", help="confidence | ancestral (masked diffusion)"),
+    steps: Optional[int] = typer.Option(None, help="denoising steps (default N', one token per step)"),
+    guidance_scale: float = typer.Option(1.0, help="DDCap guidance s (image-free-trained models; DDCap: 1.06)"),
+    limit: Optional[int] = typer.Option(100, help="caption the first N distinct images"),
+    batch_size: int = typer.Option(32, min=1),
+    endpoint_url: Optional[str] = ENDPOINT,
+    device: str = DEVICE,
+    out: Path = typer.Option(Path("eval_captions.json")),
+    html: Optional[Path] = typer.Option(None, help="captions page (default: report.html beside --out)"),
+    mlflow_uri: str = MLFLOW_URI,
+    run_id: Optional[str] = RUN_ID,
+):
     """Write captions and score them: BLEU-4, CIDEr-D, captions per second, and an HTML page."""
     with user_errors():
         model, cfg, _ = load(checkpoint, endpoint_url, device)
@@ -203,41 +280,78 @@ def captions_command(
         images = captioning.group_by_image(shards.read_shards(data, endpoint_url), limit)
         if not images:
             raise ValueError(f"no samples in {data}")
-        result = {"data": data, "checkpoint": checkpoint, **captioning.evaluate_captions(
-            model, cfg.objective.name, images, sizes, sampler, steps, batch_size, guidance_scale)}
+        result = {
+            "data": data,
+            "checkpoint": checkpoint,
+            **captioning.evaluate_captions(
+                model, cfg.objective.name, images, sizes, sampler, steps, batch_size, guidance_scale
+            ),
+        }
         if result["skipped_lengths"]:
-            console.print(f"[yellow]skipped lengths {result['skipped_lengths']}: above the model's "
-                          f"max_length {cfg.data.max_length}[/yellow]")
+            console.print(
+                f"[yellow]skipped lengths {result['skipped_lengths']}: above the model's "
+                f"max_length {cfg.data.max_length}[/yellow]"
+            )
     html = html or out.with_name("report.html")
     html.parent.mkdir(parents=True, exist_ok=True)
-    html.write_text(reports.page(f"{Path(checkpoint.rstrip('/')).name} on {data}", [
-        ("Held-out captions", reports.captions_html(images, result, f"Captions written at N' = {lengths}."))]))
+    html.write_text(
+        reports.page(
+            f"{Path(checkpoint.rstrip('/')).name} on {data}",
+            [("Held-out captions", reports.captions_html(images, result, f"Captions written at N' = {lengths}."))],
+        )
+    )
     console.print(f"report: {html}")
     metrics = {f"eval/captions/N{n}/{k}": v for n, m in result["lengths"].items() for k, v in m.items()}
-    report(result, metrics, out, mlflow_uri, run_id, run_name("captions", Path(data.rstrip("/")).name, checkpoint),
-           {"checkpoint": checkpoint, "data": data, "sampler": sampler, "lengths": lengths,
-            "guidance_scale": guidance_scale}, (html,))
+    report(
+        result,
+        metrics,
+        out,
+        mlflow_uri,
+        run_id,
+        run_name("captions", Path(data.rstrip("/")).name, checkpoint),
+        {
+            "checkpoint": checkpoint,
+            "data": data,
+            "sampler": sampler,
+            "lengths": lengths,
+            "guidance_scale": guidance_scale,
+        },
+        (html,),
+    )
 
 
 @eval_app.command("infill")
 def infill_command(
-        checkpoint: str = CHECKPOINT,
-        data: str = typer.Option(..., help="shards with reference captions (local or s3://)"),
-        ratio: float = typer.Option(0.3, min=0.0, max=1.0, help="share of each caption's tokens masked, as one span"),
-        sampler: str = typer.Option("confidence", help="confidence | ancestral"),
-        limit: Optional[int] = typer.Option(100, help="infill the first caption of the first N distinct images"),
-        seed: int = 0, batch_size: int = typer.Option(32, min=1),
-        endpoint_url: Optional[str] = ENDPOINT, device: str = DEVICE,
-        out: Path = typer.Option(Path("eval_infill.json")),
-        mlflow_uri: str = MLFLOW_URI, run_id: Optional[str] = RUN_ID):
+    checkpoint: str = CHECKPOINT,
+    data: str = typer.Option(..., help="shards with reference captions (local or s3://)"),
+    ratio: float = typer.Option(0.3, min=0.0, max=1.0, help="share of each caption's tokens masked, as one span"),
+    sampler: str = typer.Option("confidence", help="confidence | ancestral"),
+    limit: Optional[int] = typer.Option(100, help="infill the first caption of the first N distinct images"),
+    seed: int = 0,
+    batch_size: int = typer.Option(32, min=1),
+    endpoint_url: Optional[str] = ENDPOINT,
+    device: str = DEVICE,
+    out: Path = typer.Option(Path("eval_infill.json")),
+    mlflow_uri: str = MLFLOW_URI,
+    run_id: Optional[str] = RUN_ID,
+):
     """Caption infilling (DDCap): mask a span of a reference caption, fill it, score BLEU-4 / CIDEr-D."""
     with user_errors():
         model, cfg, _ = load(checkpoint, endpoint_url, device)
         images = captioning.group_by_image(shards.read_shards(data, endpoint_url), limit)
         if not images:
             raise ValueError(f"no samples in {data}")
-        result = {"data": data, "checkpoint": checkpoint, **infilling.evaluate_infilling(
-            model, cfg.objective.name, images, ratio, sampler, batch_size, seed)}
-    report(result, {"eval/infill/bleu4": result["bleu4"], "eval/infill/cider": result["cider"]}, out, mlflow_uri,
-           run_id, run_name("infill", Path(data.rstrip("/")).name, checkpoint),
-           {"checkpoint": checkpoint, "data": data, "sampler": sampler, "ratio": ratio})
+        result = {
+            "data": data,
+            "checkpoint": checkpoint,
+            **infilling.evaluate_infilling(model, cfg.objective.name, images, ratio, sampler, batch_size, seed),
+        }
+    report(
+        result,
+        {"eval/infill/bleu4": result["bleu4"], "eval/infill/cider": result["cider"]},
+        out,
+        mlflow_uri,
+        run_id,
+        run_name("infill", Path(data.rstrip("/")).name, checkpoint),
+        {"checkpoint": checkpoint, "data": data, "sampler": sampler, "ratio": ratio},
+    )

@@ -22,23 +22,35 @@ from pipelines.console import VERBOSE_OPTION, Settings, console, report_failures
 from pipelines.search_space import load_space
 
 
-def train(ctx: typer.Context,
-          config: Path = typer.Option(DEFAULT_CONFIG, help="YAML run config"),
-          data: Optional[str] = typer.Option(None, help="training shards URI (data.train_uri)"),
-          val: Optional[str] = typer.Option(None, help="validation shards URI (data.val_uri); with --data "
-                                                       "and no --val, no validation split"),
-          storage: Optional[str] = typer.Option(None, help="checkpoint storage URI (storage_uri)"),
-          mlflow_uri: Optional[str] = None, name: Optional[str] = None,
-          num_workers: Optional[int] = None, use_gpu: Optional[bool] = None,
-          address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
-          verbose: bool = VERBOSE_OPTION):
+def train(
+    ctx: typer.Context,
+    config: Path = typer.Option(DEFAULT_CONFIG, help="YAML run config"),
+    data: Optional[str] = typer.Option(None, help="training shards URI (data.train_uri)"),
+    val: Optional[str] = typer.Option(
+        None, help="validation shards URI (data.val_uri); with --data and no --val, no validation split"
+    ),
+    storage: Optional[str] = typer.Option(None, help="checkpoint storage URI (storage_uri)"),
+    mlflow_uri: Optional[str] = None,
+    name: Optional[str] = None,
+    num_workers: Optional[int] = None,
+    use_gpu: Optional[bool] = None,
+    address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
+    verbose: bool = VERBOSE_OPTION,
+):
     """Pretrain on the current Ray cluster. Extra arguments are `section.key=value` overrides."""
     Settings.verbose = verbose
     overrides = list(ctx.args)
     if data is not None and val is None and not any(o.startswith("data.val_uri=") for o in overrides):
         val = "null"  # the config's validation split belongs to its own training data (the demo's)
-    for key, value in {"data.train_uri": data, "data.val_uri": val, "storage_uri": storage, "mlflow_uri": mlflow_uri,
-                       "name": name, "train.num_workers": num_workers, "train.use_gpu": use_gpu}.items():
+    for key, value in {
+        "data.train_uri": data,
+        "data.val_uri": val,
+        "storage_uri": storage,
+        "mlflow_uri": mlflow_uri,
+        "name": name,
+        "train.num_workers": num_workers,
+        "train.use_gpu": use_gpu,
+    }.items():
         if value is not None:
             overrides.append(f"{key}={value}")
     with user_errors():
@@ -48,17 +60,23 @@ def train(ctx: typer.Context,
 
         with runtime.ray_session(runtime.run_log_path(cfg), address, verbose):
             summary = run_training(cfg)
-    console.print(f"[green]done[/green] {summary.run_name}: loss {summary.metrics.get('loss', float('nan')):.4f}, "
-                  f"checkpoint {summary.checkpoint_uri}, MLflow run {summary.mlflow_run_id}, "
-                  f"skipped {summary.skipped or 'none'}", highlight=False)
+    console.print(
+        f"[green]done[/green] {summary.run_name}: loss {summary.metrics.get('loss', float('nan')):.4f}, "
+        f"checkpoint {summary.checkpoint_uri}, MLflow run {summary.mlflow_run_id}, "
+        f"skipped {summary.skipped or 'none'}",
+        highlight=False,
+    )
 
 
-def tune(ctx: typer.Context,
-         space: Path = typer.Option(..., help="search space YAML (tune_spaces/)"),
-         config: Path = typer.Option(DEFAULT_CONFIG, help="base run config"),
-         samples: Optional[int] = typer.Option(None, help="trials for a random space"),
-         max_concurrent: int = typer.Option(1, help="trials at once (1–2 on a 2-core machine)"),
-         address: Optional[str] = None, verbose: bool = VERBOSE_OPTION):
+def tune(
+    ctx: typer.Context,
+    space: Path = typer.Option(..., help="search space YAML (tune_spaces/)"),
+    config: Path = typer.Option(DEFAULT_CONFIG, help="base run config"),
+    samples: Optional[int] = typer.Option(None, help="trials for a random space"),
+    max_concurrent: int = typer.Option(1, help="trials at once (1–2 on a 2-core machine)"),
+    address: Optional[str] = None,
+    verbose: bool = VERBOSE_OPTION,
+):
     """Sweep a search space with Ray Tune (ASHA); every trial an MLflow child run. Extra
     arguments are `section.key=value` overrides of the base config."""
     Settings.verbose = verbose
@@ -71,13 +89,19 @@ def tune(ctx: typer.Context,
         with runtime.ray_session(sweep_folder(base, search_space) / "ray.log", address, verbose):
             summary = run_sweep(search_space, base, samples, max_concurrent)
     report_failures("trial", len(summary.rows), summary.failures)
-    console.print(f"[green]best[/green] {summary.best}\nMLflow parent run {summary.parent_run_id}: "
-                  f"mlflow ui --backend-store-uri {base.mlflow_uri}", highlight=False)
+    console.print(
+        f"[green]best[/green] {summary.best}\nMLflow parent run {summary.parent_run_id}: "
+        f"mlflow ui --backend-store-uri {base.mlflow_uri}",
+        highlight=False,
+    )
 
 
-def demo(workdir: Path = typer.Option(Path("mdc-demo"), help="where runs, MLflow and the summary go"),
-         num: Optional[int] = typer.Option(None, help="shapes images to generate (default: the demo's 9,000)"),
-         steps: Optional[int] = None, verbose: bool = VERBOSE_OPTION):
+def demo(
+    workdir: Path = typer.Option(Path("mdc-demo"), help="where runs, MLflow and the summary go"),
+    num: Optional[int] = typer.Option(None, help="shapes images to generate (default: the demo's 9,000)"),
+    steps: Optional[int] = None,
+    verbose: bool = VERBOSE_OPTION,
+):
     """The embedded default, end to end on this machine: local S3 server, shapes shards in a bucket,
     2-worker Ray training, MLflow in SQLite, then a summary with sample captions and report.html."""
     from pipelines.demo import DEMO_IMAGES, run_demo  # the Ray program: seconds to import
@@ -88,16 +112,20 @@ def demo(workdir: Path = typer.Option(Path("mdc-demo"), help="where runs, MLflow
         run_demo(workdir, num=num or DEMO_IMAGES, overrides=overrides, verbose=verbose)
 
 
-def compare(ctx: typer.Context,
-            objectives: str = typer.Option(",".join(OBJECTIVES), help="comma-separated objectives"),
-            workdir: Path = typer.Option(Path("mdc-compare"), help="runs, MLflow, the shapes data and the tables"),
-            data: Optional[str] = typer.Option(None, help="shapes-like shards (default: generate shapes in WORKDIR)"),
-            config: Path = typer.Option(DEFAULT_CONFIG, help="base YAML run config (its data paths are replaced)"),
-            steps: Optional[int] = None, name: Optional[str] = None,
-            caption_length: int = typer.Option(10, min=1, help="caption length N' for BLEU-4 / CIDEr-D"),
-            limit: int = typer.Option(200, min=1, help="images per evaluation (captions, each compositionality subset)"),
-            samples: int = typer.Option(8, min=1, help="Monte Carlo draws per caption score"),
-            address: Optional[str] = None, verbose: bool = VERBOSE_OPTION):
+def compare(
+    ctx: typer.Context,
+    objectives: str = typer.Option(",".join(OBJECTIVES), help="comma-separated objectives"),
+    workdir: Path = typer.Option(Path("mdc-compare"), help="runs, MLflow, the shapes data and the tables"),
+    data: Optional[str] = typer.Option(None, help="shapes-like shards (default: generate shapes in WORKDIR)"),
+    config: Path = typer.Option(DEFAULT_CONFIG, help="base YAML run config (its data paths are replaced)"),
+    steps: Optional[int] = None,
+    name: Optional[str] = None,
+    caption_length: int = typer.Option(10, min=1, help="caption length N' for BLEU-4 / CIDEr-D"),
+    limit: int = typer.Option(200, min=1, help="images per evaluation (captions, each compositionality subset)"),
+    samples: int = typer.Option(8, min=1, help="Monte Carlo draws per caption score"),
+    address: Optional[str] = None,
+    verbose: bool = VERBOSE_OPTION,
+):
     """Train the objectives at one budget on one dataset; one table of probe and compositionality
     accuracy, BLEU-4/CIDEr-D, captions/s and training images/s (console, compare.md/.html, MLflow).
     Extra arguments are `section.key=value` overrides of the shared config."""
@@ -115,24 +143,28 @@ def compare(ctx: typer.Context,
         from pipelines.compare import run_compare  # the Ray program: seconds to import, so after the checks
 
         with runtime.ray_session(workdir / "ray.log", address, verbose):
-            run_compare(names, workdir, data, config, overrides, name, caption_length, limit, samples,
-                        console=console)
+            run_compare(names, workdir, data, config, overrides, name, caption_length, limit, samples, console=console)
 
 
-def scaling(ctx: typer.Context,
-            sizes: str = typer.Option(..., help="subset sizes in pairs, K/M/B suffixes: 5M,10M,20M"),
-            data: str = typer.Option(..., help="training split (local or s3://); manifest.json is in its parent"),
-            name: str = typer.Option(..., help="experiment name: the parent MLflow run; runs are NAME-SIZE"),
-            config: Path = typer.Option(DEFAULT_CONFIG, help="YAML run config shared by every size"),
-            total: Optional[int] = typer.Option(None, min=1, help="pairs in the split (default: from manifest.json)"),
-            probe_dataset: str = typer.Option("shapes", help="kind of the probe's labelled dataset "
-                                              "(shapes, tuxpaint: shards, also s3://; others: a local root)"),
-            probe_data: Optional[str] = typer.Option(None, help="root of the probe's dataset (default: the "
-                                                     "dataset that holds --data)"),
-            storage_uri: Optional[str] = typer.Option(None, "--storage", help="checkpoint storage URI (storage_uri)"),
-            mlflow_uri: Optional[str] = None,
-            address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
-            verbose: bool = VERBOSE_OPTION):
+def scaling(
+    ctx: typer.Context,
+    sizes: str = typer.Option(..., help="subset sizes in pairs, K/M/B suffixes: 5M,10M,20M"),
+    data: str = typer.Option(..., help="training split (local or s3://); manifest.json is in its parent"),
+    name: str = typer.Option(..., help="experiment name: the parent MLflow run; runs are NAME-SIZE"),
+    config: Path = typer.Option(DEFAULT_CONFIG, help="YAML run config shared by every size"),
+    total: Optional[int] = typer.Option(None, min=1, help="pairs in the split (default: from manifest.json)"),
+    probe_dataset: str = typer.Option(
+        "shapes",
+        help="kind of the probe's labelled dataset (shapes, tuxpaint: shards, also s3://; others: a local root)",
+    ),
+    probe_data: Optional[str] = typer.Option(
+        None, help="root of the probe's dataset (default: the dataset that holds --data)"
+    ),
+    storage_uri: Optional[str] = typer.Option(None, "--storage", help="checkpoint storage URI (storage_uri)"),
+    mlflow_uri: Optional[str] = None,
+    address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
+    verbose: bool = VERBOSE_OPTION,
+):
     """Dataset scaling: one model per nested subset size, the same steps each, probed; a size with a
     stored result is skipped. Extra arguments are `section.key=value` overrides; the validation split
     is the `val` beside --data when the manifest lists one, unless `data.val_uri=` is given."""
@@ -166,15 +198,25 @@ def print_claims(claims: list[dict]) -> None:
     for column in ("claim", "metric", "a", "b", "n", "mean a − b", "95% CI", "verdict"):
         table.add_column(column)
     for c in claims:
-        table.add_row(c["name"], c["metric"], c["arm_a"], c["arm_b"] or "0", str(len(c["seeds"])), f"{c['mean_diff']:+.4f}",
-                      f"[{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]", c["verdict"])
+        table.add_row(
+            c["name"],
+            c["metric"],
+            c["arm_a"],
+            c["arm_b"] or "0",
+            str(len(c["seeds"])),
+            f"{c['mean_diff']:+.4f}",
+            f"[{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]",
+            c["verdict"],
+        )
     console.print(table)
 
 
-def study(plan: Path = typer.Option(..., help="study plan YAML (studies/)"),
-          out: Optional[Path] = typer.Option(None, help="runs, MLflow and the report (default: runs/study-NAME)"),
-          address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
-          verbose: bool = VERBOSE_OPTION):
+def study(
+    plan: Path = typer.Option(..., help="study plan YAML (studies/)"),
+    out: Optional[Path] = typer.Option(None, help="runs, MLflow and the report (default: runs/study-NAME)"),
+    address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
+    verbose: bool = VERBOSE_OPTION,
+):
     """Run a study plan: every arm × seed trained through Ray Train (finished runs are not repeated),
     evaluated, and each claim judged by a Student-t interval over seed-paired differences
     (study.json, results.md, claims.png; MLflow)."""
@@ -192,47 +234,55 @@ def study(plan: Path = typer.Option(..., help="study plan YAML (studies/)"),
     console.print(f"report: {directory / 'results.md'}, {directory / 'study.json'}, {directory / 'claims.png'}")
 
 
-def submit(ctx: typer.Context,
-           address: Optional[str] = typer.Option(None, help="Ray dashboard URL, e.g. http://HEAD:8265 "
-                                                 "(default: RAY_ADDRESS, else the local head)"),
-           submission_id: Optional[str] = typer.Option(None, help="stable job id (default: mdc-<run name>)"),
-           working_dir: Path = typer.Option(Path("."), help="uploaded as the job's working directory"),
-           no_upload: bool = typer.Option(False, "--no-upload",
-                                          help="upload nothing: run the code installed in the cluster image"),
-           env: List[str] = typer.Option([], help="KEY=VALUE environment variable for the job (repeatable)"),
-           pip: List[str] = typer.Option([], help="extra pip requirement for the job (repeatable)"),
-           no_wait: bool = typer.Option(False, "--no-wait", help="submit and exit without following the log")):
+def submit(
+    ctx: typer.Context,
+    address: Optional[str] = typer.Option(
+        None, help="Ray dashboard URL, e.g. http://HEAD:8265 (default: RAY_ADDRESS, else the local head)"
+    ),
+    submission_id: Optional[str] = typer.Option(None, help="stable job id (default: mdc-<run name>)"),
+    working_dir: Path = typer.Option(Path("."), help="uploaded as the job's working directory"),
+    no_upload: bool = typer.Option(
+        False, "--no-upload", help="upload nothing: run the code installed in the cluster image"
+    ),
+    env: List[str] = typer.Option([], help="KEY=VALUE environment variable for the job (repeatable)"),
+    pip: List[str] = typer.Option([], help="extra pip requirement for the job (repeatable)"),
+    no_wait: bool = typer.Option(False, "--no-wait", help="submit and exit without following the log"),
+):
     """Run `-- mdc train|scaling ...` as a Ray job on the cluster: idempotent by submission id, follows
     its log, exits with its outcome."""
     from pipelines import submit as submission  # Ray's job client: seconds to import
 
     entrypoint = list(ctx.args)
     if not entrypoint:
-        submission.console.print("[red]error:[/red] give the command after --, e.g. mdc submit -- mdc train --name run-1")
+        submission.console.print(
+            "[red]error:[/red] give the command after --, e.g. mdc submit -- mdc train --name run-1"
+        )
         raise typer.Exit(2)
     upload = None if no_upload else working_dir
     if submission_id is None:
         name = submission.run_name_of(entrypoint, upload)
         if name is None:
-            submission.console.print("[red]error:[/red] the command names no run (--name or a config with `name`): "
-                          "give --submission-id")
+            submission.console.print(
+                "[red]error:[/red] the command names no run (--name or a config with `name`): give --submission-id"
+            )
             raise typer.Exit(2)
         submission_id = submission.default_submission_id(name)
     try:
         environment = submission.runtime_env(upload, env, pip)
     except ValueError as err:
         submission.console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
 
     from ray.job_submission import JobSubmissionClient  # Ray: seconds to import, so after the checks
 
     try:
         client = JobSubmissionClient(address)
-        statuses = {job.submission_id: str(job.status.value)
-                    for job in client.list_jobs() if job.submission_id}
+        statuses = {job.submission_id: str(job.status.value) for job in client.list_jobs() if job.submission_id}
     except ConnectionError as err:
-        submission.console.print(f"[red]error:[/red] no Ray job server at {address or 'RAY_ADDRESS / local head'}: {err}")
-        raise typer.Exit(2)
+        submission.console.print(
+            f"[red]error:[/red] no Ray job server at {address or 'RAY_ADDRESS / local head'}: {err}"
+        )
+        raise typer.Exit(2) from None
 
     plan = submission.plan_submission(submission_id, statuses)
     if plan.action == "done":
@@ -242,9 +292,15 @@ def submit(ctx: typer.Context,
         submission.console.print(f"{plan.submission_id} is {plan.status}: following it instead of submitting again")
     else:
         if plan.status:
-            submission.console.print(f"{submission_id}: the last attempt {plan.status}; resubmitting as {plan.submission_id}")
-        client.submit_job(entrypoint=shlex.join(entrypoint), submission_id=plan.submission_id,
-                          runtime_env=environment, metadata={"mdc.submission": submission_id})
+            submission.console.print(
+                f"{submission_id}: the last attempt {plan.status}; resubmitting as {plan.submission_id}"
+            )
+        client.submit_job(
+            entrypoint=shlex.join(entrypoint),
+            submission_id=plan.submission_id,
+            runtime_env=environment,
+            metadata={"mdc.submission": submission_id},
+        )
         submission.console.print(f"submitted {plan.submission_id}: {shlex.join(entrypoint)}")
     if no_wait:
         return

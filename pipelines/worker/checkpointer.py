@@ -19,8 +19,9 @@ class Checkpointer:
     once every rank has reported it, so a group that died in between would lose a checkpoint that
     is already written: the completion marker in storage is the one record of what can be resumed."""
 
-    def __init__(self, cfg: RunConfig, run_dir: str, rank: int, model, optimizer, scheduler, ema,
-                 callbacks: list[Callback] = ()):
+    def __init__(
+        self, cfg: RunConfig, run_dir: str, rank: int, model, optimizer, scheduler, ema, callbacks: list[Callback] = ()
+    ):
         self.cfg, self.run_dir, self.rank, self.endpoint = cfg, run_dir, rank, cfg.data.endpoint_url
         self.parts = (model, optimizer, scheduler, ema)
         self.callbacks = list(callbacks)
@@ -47,8 +48,9 @@ class Checkpointer:
             for line in passed:
                 print(f"[mdc] {line}", flush=True)
             if choice[0] is not None:
-                print(f"[mdc] resuming from {choice[0]}: the newest complete checkpoint in the run's storage",
-                      flush=True)
+                print(
+                    f"[mdc] resuming from {choice[0]}: the newest complete checkpoint in the run's storage", flush=True
+                )
             elif passed:
                 print(f"[mdc] no complete checkpoint in {self.run_dir}: starting from step 0", flush=True)
         dist.broadcast_object_list(choice, src=0)
@@ -86,8 +88,9 @@ class Checkpointer:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         self._at(step, "shard_written")
-        ckpt.commit(uri, step, written, self.rank, self.endpoint,
-                    group=self.background.group if self.background else None)
+        ckpt.commit(
+            uri, step, written, self.rank, self.endpoint, group=self.background.group if self.background else None
+        )
         if self.rank == 0:
             ckpt.prune(self.run_dir, step, self.cfg.train.keep_checkpoints, self.endpoint)
         self._at(step, "committed")

@@ -20,8 +20,17 @@ class DataCursor:
     `BatchFeed` that turns a stall into an error and adds up the time spent waiting (`wait_s`).
     Its checkpoint part is `state`."""
 
-    def __init__(self, source: Callable[[int], Iterable[dict]], feed: BatchFeed, actors: IngestActors | None,
-                 shard_list_id: str, num_shards: int, seed: int, rank: int, what: str = "a batch"):
+    def __init__(
+        self,
+        source: Callable[[int], Iterable[dict]],
+        feed: BatchFeed,
+        actors: IngestActors | None,
+        shard_list_id: str,
+        num_shards: int,
+        seed: int,
+        rank: int,
+        what: str = "a batch",
+    ):
         self.source, self.feed, self.actors, self.what = source, feed, actors, what
         self.shard_list_id, self.num_shards, self.seed, self.rank = shard_list_id, num_shards, seed, rank
         self.epoch, self.passed_over = 0, frozenset()
@@ -39,13 +48,23 @@ class DataCursor:
         start = [(0, frozenset())]
         if self.rank == 0:
             if trainer_state is not None:
-                epoch, passed_over, why = resume_point(DataPosition.from_state(extra_state), trainer_state["epoch"],
-                                                       self.seed, self.shard_list_id, self.num_shards)
+                epoch, passed_over, why = resume_point(
+                    DataPosition.from_state(extra_state),
+                    trainer_state["epoch"],
+                    self.seed,
+                    self.shard_list_id,
+                    self.num_shards,
+                )
                 print(f"[mdc] data position at step {trainer_state['step']}: {why}", flush=True)
                 start = [(epoch, passed_over)]
             if self.actors is not None:
-                ask([self.actors.passed_over.set.remote(start[0][1]),
-                     self.actors.bad_records.restore.remote(extra_state.get(BAD_RECORDS_KEY, {}))], "the ingest actors")
+                ask(
+                    [
+                        self.actors.passed_over.set.remote(start[0][1]),
+                        self.actors.bad_records.restore.remote(extra_state.get(BAD_RECORDS_KEY, {})),
+                    ],
+                    "the ingest actors",
+                )
         dist.broadcast_object_list(start, src=0)  # also the barrier: the actors are set
         self.epoch, self.passed_over = start[0]
 
@@ -60,8 +79,9 @@ class DataCursor:
 
     def _end_epoch(self, batches: int) -> None:
         if batches == 0 and not self.passed_over:  # a resumed epoch's rest may not fill a batch
-            raise RuntimeError(f"no full {self.what} for rank {self.rank}: the dataset is smaller than "
-                               "global_batch_size")
+            raise RuntimeError(
+                f"no full {self.what} for rank {self.rank}: the dataset is smaller than global_batch_size"
+            )
         self.epoch += 1
         if self.passed_over:  # the resumed epoch is over: the next ones are fresh passes
             self.passed_over = frozenset()

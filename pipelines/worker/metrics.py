@@ -48,8 +48,11 @@ class MetricsLogger:
         rows = self._reduce()
         elapsed = time.perf_counter() - self.tic
         tokens = sum(row.pop(TOKENS) for row in rows.values())
-        rows[step].update(images_per_s=self.images / elapsed, tokens_per_s=tokens / elapsed,
-                          data_wait_fraction=(data_wait_s - self.waited) / elapsed)
+        rows[step].update(
+            images_per_s=self.images / elapsed,
+            tokens_per_s=tokens / elapsed,
+            data_wait_fraction=(data_wait_s - self.waited) / elapsed,
+        )
         self.tic, self.images, self.waited = time.perf_counter(), 0, data_wait_s
         if self.mlflow is not None:
             for s, row in rows.items():
@@ -64,8 +67,9 @@ class MetricsLogger:
             names = list(self.device_rows[0][1])
             stacked = torch.stack([torch.stack([as_plain(m[k]).float() for k in names]) for _, m in self.device_rows])
             dist.all_reduce(stacked)
-            mean = torch.where(torch.tensor([k == TOKENS for k in names], device=stacked.device),
-                               stacked, stacked / self.world_size)
+            mean = torch.where(
+                torch.tensor([k == TOKENS for k in names], device=stacked.device), stacked, stacked / self.world_size
+            )
             for (s, _), values in zip(self.device_rows, mean.tolist()):
                 rows.setdefault(s, {}).update(zip(names, values))
         self.device_rows, self.host_rows = [], {}

@@ -22,14 +22,22 @@ class RaySession:
         moves the model's inputs without waiting (non_blocking) and tallies the tags where they are."""
         tc = self.cfg.train
         return self.train.iter_torch_batches(
-            batch_size=tc.batch_size * tc.accumulation_steps, drop_last=True, device="cpu", pin_memory=tc.use_gpu,
-            local_shuffle_buffer_size=self.cfg.data.shuffle_buffer or None, local_shuffle_seed=tc.seed + epoch)
+            batch_size=tc.batch_size * tc.accumulation_steps,
+            drop_last=True,
+            device="cpu",
+            pin_memory=tc.use_gpu,
+            local_shuffle_buffer_size=self.cfg.data.shuffle_buffer or None,
+            local_shuffle_seed=tc.seed + epoch,
+        )
 
     def val_batches(self) -> list[dict]:
         if not self.cfg.data.val_uri:
             return []
-        return list(ray.train.get_dataset_shard("val").iter_torch_batches(
-            batch_size=self.cfg.train.batch_size, drop_last=False, device="cpu"))
+        return list(
+            ray.train.get_dataset_shard("val").iter_torch_batches(
+                batch_size=self.cfg.train.batch_size, drop_last=False, device="cpu"
+            )
+        )
 
     def report(self, metrics: dict) -> None:
         ray.train.report(metrics)

@@ -26,8 +26,10 @@ from pipelines.worker.validator import Validator
 
 def param_norm(model) -> float:
     """L2 norm of all parameters, summed over the FSDP shards (collective)."""
-    local = sum(p.to_local().float().pow(2).sum() if hasattr(p, "to_local") else p.float().pow(2).sum()
-                for p in model.parameters())
+    local = sum(
+        p.to_local().float().pow(2).sum() if hasattr(p, "to_local") else p.float().pow(2).sum()
+        for p in model.parameters()
+    )
     dist.all_reduce(local)
     return float(local.sqrt())
 
@@ -41,21 +43,43 @@ class Trainer:
         self.cfg, self.session, self.rank, self.device = cfg, session, session.rank, session.device
         torch.manual_seed(tc.seed)  # identical initial weights on every rank before sharding
         self.model = build_model(cfg, CaptionTokenizer).to(self.device)
-        prepare_model(self.model, self.device, bf16=tc.use_gpu, activation_checkpointing=tc.activation_checkpointing,
-                      compile=tc.compile)
+        prepare_model(
+            self.model,
+            self.device,
+            bf16=tc.use_gpu,
+            activation_checkpointing=tc.activation_checkpointing,
+            compile=tc.compile,
+        )
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim.warmup_steps, tc.steps)
         self.ema = EMA(self.model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
         self.callbacks = [c for c in (args.fault, args.trained_rows_dir and RowRecorder(args.trained_rows_dir)) if c]
-        self.checkpointer = Checkpointer(cfg, args.run_dir, self.rank, self.model, self.optimizer, self.scheduler,
-                                         self.ema, self.callbacks)
-        stall = partial(describe_stall, cfg.data.train_uri, cfg.data.stall_timeout_s, self.rank, args.ingest,
-                        tc.num_workers * tc.cpus_per_worker)
-        self.cursor = DataCursor(session.train_batches, BatchFeed(cfg.data.stall_timeout_s, stall), args.actors,
-                                 args.shard_list_id, args.num_shards, tc.seed, self.rank,
-                                 f"batch of {tc.batch_size * tc.accumulation_steps} in {cfg.data.train_uri}")
-        sinks = rank0_sinks(args.mlflow_uri, args.mlflow_run_id, args.progress, cfg.name, tc.steps) \
-            if self.rank == 0 else None
+        self.checkpointer = Checkpointer(
+            cfg, args.run_dir, self.rank, self.model, self.optimizer, self.scheduler, self.ema, self.callbacks
+        )
+        stall = partial(
+            describe_stall,
+            cfg.data.train_uri,
+            cfg.data.stall_timeout_s,
+            self.rank,
+            args.ingest,
+            tc.num_workers * tc.cpus_per_worker,
+        )
+        self.cursor = DataCursor(
+            session.train_batches,
+            BatchFeed(cfg.data.stall_timeout_s, stall),
+            args.actors,
+            args.shard_list_id,
+            args.num_shards,
+            tc.seed,
+            self.rank,
+            f"batch of {tc.batch_size * tc.accumulation_steps} in {cfg.data.train_uri}",
+        )
+        sinks = (
+            rank0_sinks(args.mlflow_uri, args.mlflow_run_id, args.progress, cfg.name, tc.steps)
+            if self.rank == 0
+            else None
+        )
         self.metrics = MetricsLogger(tc.log_every, tc.steps, session.world_size, sinks)
         self.validator = Validator(session.val_batches(), cfg.objective, tc.val_every, tc.steps, tc.seed, self.device)
         self.step, self.val_loss = 0, None
@@ -82,9 +106,18 @@ class Trainer:
             callback.step_start(step, self.rank)
         images, tokens = self._inputs(batch, step)
         noise = step_generator(self.cfg.train.seed, self.rank, step, self.device)
-        metrics = device_step(self.model, self.optimizer, self.scheduler, images, tokens, self.cfg.objective,
-                              self.cfg.optim.grad_clip, noise, self.ema,
-                              micro_batches=self.cfg.train.accumulation_steps)
+        metrics = device_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            images,
+            tokens,
+            self.cfg.objective,
+            self.cfg.optim.grad_clip,
+            noise,
+            self.ema,
+            micro_batches=self.cfg.train.accumulation_steps,
+        )
         for callback in self.callbacks:
             callback.trained(step, self.cursor.epoch, self.rank, batch)
         self.metrics.record(step, metrics, tokens, epoch=self.cursor.epoch)
@@ -106,8 +139,9 @@ class Trainer:
             logged["val_loss"] = self.val_loss
         saving = self.checkpointer.due(step)
         if saving:
-            self.checkpointer.save({"step": step, "epoch": self.cursor.epoch, "metrics": logged},
-                                   self.cursor.state(self.device))
+            self.checkpointer.save(
+                {"step": step, "epoch": self.cursor.epoch, "metrics": logged}, self.cursor.state(self.device)
+            )
         self.session.report(logged)
         if saving:
             self.metrics.note(f"checkpoint at step {step}")

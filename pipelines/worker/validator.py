@@ -38,8 +38,9 @@ class Validator:
         for i, batch in enumerate(self.batches):
             gen = step_generator(self.seed, 0, -1 - i, self.device)
             images = normalize(batch["image"].to(self.device, non_blocking=True))
-            loss, _ = compute_loss(model, images, batch["tokens"].to(self.device, non_blocking=True), self.objective,
-                                   gen)
+            loss, _ = compute_loss(
+                model, images, batch["tokens"].to(self.device, non_blocking=True), self.objective, gen
+            )
             total += loss.detach().float()
         model.train()
         return float(total) / len(self.batches)
