@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast lint bench mutation
+.PHONY: setup demo test test-fast lint gpu-check bench mutation
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,10 @@ test-fast: setup lint
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# `make gpu-check`: the GPU box check (benchmarks/gpu_check.py, one JSON); DRY_RUN=1 runs it on CPU.
+gpu-check: setup
+	$(PY) -m benchmarks.gpu_check $(if $(DRY_RUN),--dry-run)
 
 bench: setup
 	$(PY) -m benchmarks.ingest

@@ -14,7 +14,7 @@ from mdc.models.captioner import sinusoidal_embedding
 from mdc.train import checkpoint as ckpt
 from mdc.train.fsdp import apply_fsdp
 from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step
-from pipelines.train import validation_loss
+from pipelines.worker.validator import Validator
 
 pytestmark = pytest.mark.usefixtures("gloo_process_group")
 
@@ -71,7 +71,8 @@ def test_bf16_policy_trains_validates_scores_writes_and_checkpoints(case, tmp_pa
     assert local_dtypes(v for s in optimizer.state.values() for k, v in s.items() if k != "step") == {torch.float32}
     assert local_dtypes(ema.state_dict().values()) == {torch.float32}
 
-    val = validation_loss(model, [{"image": (images * 255).to(torch.uint8), "tokens": tokens}], cfg.objective, 0, "cpu")
+    val_batches = [{"image": (images * 255).to(torch.uint8), "tokens": tokens}]
+    val = Validator(val_batches, cfg.objective, every=1, steps=1, seed=0, device="cpu").loss(model)
     assert torch.isfinite(torch.tensor(val))
 
     # DCP save and restore into a fresh model with the same policy
