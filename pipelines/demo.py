@@ -105,6 +105,12 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
     }
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     report = write_report(workdir, cfg, result, evaluation, images, captions)
+    print_results(summary, evaluation, captions, report, cfg.mlflow_uri, workdir)
+    return summary
+
+
+def print_results(summary: dict, evaluation: dict, captions: dict | None, report: Path, mlflow_uri: str, workdir: Path):
+    """The console's closing lines: held-out captions beside their references, then the figures."""
     if captions:
         lengths = list(captions["lengths"])
         table = Table(
@@ -126,7 +132,7 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
         )
     console.print(
         f"final loss {summary['final_loss']:.4f}, val loss {summary['val_loss']:.4f}, "
-        f"skipped {result.skipped or 'none'}"
+        f"skipped {summary['skipped_records'] or 'none'}"
     )
     console.print(
         f"linear probe (shape of the first object, held out): {evaluation['probe_accuracy']:.3f} "
@@ -141,12 +147,11 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
         )
     )
     console.print(
-        f"report: {report}\ncheckpoint: {result.checkpoint_uri}\n"
-        f"MLflow: mlflow ui --backend-store-uri {cfg.mlflow_uri} (run {result.mlflow_run_id})\n"
+        f"report: {report}\ncheckpoint: {summary['checkpoint']}\n"
+        f"MLflow: mlflow ui --backend-store-uri {mlflow_uri} (run {summary['mlflow_run_id']})\n"
         f"summary: {workdir / 'summary.json'}",
         highlight=False,
     )
-    return summary
 
 
 def write_report(workdir: Path, cfg, result, evaluation: dict, images, captions: dict | None) -> Path:

@@ -33,6 +33,7 @@ from mdc.config import ConfigError
 from mdc.data import shards
 from mdc.data.images import preprocess_batch
 from mdc.data.tokenizer import CaptionTokenizer
+from pipelines import ray_private
 
 DECODE_BATCH = 64
 
@@ -253,8 +254,6 @@ def build_dataset(
 def stalled_operator() -> str:
     """The first operator of the newest running training dataset that has completed no task,
     from Ray Data's own progress records (what its progress bar shows)."""
-    from pipelines import ray_private
-
     try:
         stats = ray_private.data_stats_actor()
         datasets = ray.get(stats.get_datasets.remote(), timeout=10)

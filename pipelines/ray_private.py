@@ -65,6 +65,7 @@ def raylet_notices_to(route):
 
 def data_stats_actor():
     """Ray Data's actor of progress records (what its progress bars show)."""
+    # imported on use: a stall is rare, and the module loads Ray Data
     from ray.data._internal.stats import STATS_ACTOR_NAME, STATS_ACTOR_NAMESPACE
 
     return ray.get_actor(STATS_ACTOR_NAME, namespace=STATS_ACTOR_NAMESPACE)

@@ -177,6 +177,20 @@ def write_report(rows: list[dict], directory: Path, title: str) -> list[Path]:
     ]
 
 
+def result_row(cfg: RunConfig, size: int, summary, accuracy: float) -> dict:
+    """One size's line of the table, also its results file: what a relaunch reads instead of training."""
+    return {
+        "size": size,
+        "run_name": cfg.name,
+        "fraction": cfg.data.subset_fraction,
+        "steps": cfg.train.steps,
+        "pairs_seen": pairs_seen(cfg),
+        "probe_accuracy": accuracy,
+        "mlflow_run_id": summary.mlflow_run_id,
+        "checkpoint_uri": summary.checkpoint_uri,
+    }
+
+
 def run_scaling(
     base: RunConfig, sizes: list[int], total: int, name: str, probe: Probe
 ) -> tuple[list[dict], list[tuple[str, str, str]]]:
@@ -219,16 +233,7 @@ def run_scaling(
                 continue
             tracking.log_metrics(mlflow_uri, summary.mlflow_run_id, {f"eval/probe/{probe.dataset}/accuracy": accuracy})
             tracking.log_metrics(mlflow_uri, parent, {"scaling/probe_accuracy": accuracy}, step=size)
-            row = {
-                "size": size,
-                "run_name": cfg.name,
-                "fraction": cfg.data.subset_fraction,
-                "steps": cfg.train.steps,
-                "pairs_seen": pairs_seen(cfg),
-                "probe_accuracy": accuracy,
-                "mlflow_run_id": summary.mlflow_run_id,
-                "checkpoint_uri": summary.checkpoint_uri,
-            }
+            row = result_row(cfg, size, summary, accuracy)
             storage.write_bytes(results_uri, json.dumps(row, indent=2).encode(), endpoint)
             console.print(f"{cfg.name}: probe {accuracy:.4f}")
             rows.append(row)

@@ -24,7 +24,8 @@ from pipelines.worker.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(300)
 
-REPO = str(Path(__file__).resolve().parents[1])
+REPO = Path(__file__).resolve().parents[1]
+PROJECT_CODE = (str(REPO / "mdc") + "/", str(REPO / "pipelines") + "/")  # not the venv, which may sit inside
 HOST_READS = ("item", "__float__", "tolist", "cpu", "numpy")
 COLLECTIVES = (
     "all_reduce",
@@ -79,7 +80,7 @@ class Counter:
     def wrap(self, name, original, only_repo: bool):
         def counted(*args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            if self.on and (not only_repo or (caller.startswith(REPO) and "/tests/" not in caller)):
+            if self.on and (not only_repo or caller.startswith(PROJECT_CODE)):
                 self.calls.setdefault(self.step, []).append(f"{name} from {caller}:{sys._getframe(1).f_lineno}")
             return original(*args, **kwargs)
 

@@ -65,7 +65,9 @@ class MetricsLogger:
         rows = {s: dict(numbers) for s, numbers in self.host_rows.items()}
         if self.device_rows:
             names = list(self.device_rows[0][1])
-            stacked = torch.stack([torch.stack([as_plain(m[k]).float() for k in names]) for _, m in self.device_rows])
+            stacked = torch.stack(  # every metric a scalar, whatever its shape ([1]: CLIP's logit scale)
+                [torch.stack([as_plain(m[k]).float().reshape(()) for k in names]) for _, m in self.device_rows]
+            )
             dist.all_reduce(stacked)
             mean = torch.where(
                 torch.tensor([k == TOKENS for k in names], device=stacked.device), stacked, stacked / self.world_size
