@@ -586,6 +586,7 @@ def trained(shapes_data):
 
 
 @trained_model_test
+@pytest.mark.slow  # trains the tiny model end to end (the module's `trained` fixture)
 def test_probe_on_trained_features_beats_random_init(trained, shapes_data):
     model, baseline = trained
     result = probe.probe_shapes(model, str(shapes_data), baseline=baseline)
@@ -595,6 +596,7 @@ def test_probe_on_trained_features_beats_random_init(trained, shapes_data):
 
 
 @trained_model_test
+@pytest.mark.slow  # trains the tiny model end to end (the module's `trained` fixture)
 def test_monte_carlo_scorer_prefers_the_true_caption_on_shapes_aro(trained, shapes_data):
     model, baseline = trained
     items = comp.read_benchmark("aro", shapes_data / "compositionality", subsets=["vg_relation", "vg_attribution"])
@@ -608,6 +610,7 @@ def test_monte_carlo_scorer_prefers_the_true_caption_on_shapes_aro(trained, shap
 
 
 @trained_model_test
+@pytest.mark.slow  # trains the tiny model end to end (the module's `trained` fixture)
 def test_zeroshot_and_captions_run_on_the_trained_model(trained, shapes_data):
     model, _ = trained
     test = readers.read_split("shapes", str(shapes_data), "test")
