@@ -96,7 +96,7 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
         "run_name": result.run_name,
         "final_loss": result.metrics.get("loss"),
         "val_loss": result.metrics.get("val_loss"),
-        "skipped_records": result.skipped,
+        "skipped_records": result.bad_records,
         "checkpoint": result.checkpoint_uri,
         "mlflow_run_id": result.mlflow_run_id,
         "mlflow_uri": cfg.mlflow_uri,

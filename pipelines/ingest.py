@@ -8,9 +8,9 @@ Ray's read operators (why: docs/design.md §11, 'Ingest readers').
 The CPUs ingest may use are what the cluster has minus what the training workers hold
 (`ingest_resources`), cut into one reader per whole CPU (why: docs/design.md §11, 'Ingest readers'). Each decoded batch leaves its task as its own block, so what a task holds
 does not grow with its shard. Bad records are dropped where they are found and counted by reason,
-per shard, in one `SkipCounter` actor. Rows carry their shard and place in it, for the data
+per shard, in one `BadRecordLedgerActor`. Rows carry their shard and place in it, for the data
 position a checkpoint stores (`pipelines/position.py`), and a resumed epoch's read tasks pass over
-the shards a `ShardSkips` actor names. A training worker that gets no batch for
+the shards a `PassedOverShardsActor` names. A training worker that gets no batch for
 `data.stall_timeout_s` fails with a `DataStallError` that says which operator has produced nothing
 and what it waits for.
 """
@@ -70,7 +70,7 @@ def ingest_resources(
     return IngestResources(budget, math.floor(min(1.0, usable / readers) * 100) / 100, readers)
 
 
-class SkipCounts:
+class BadRecordLedger:
     """Skipped records by reason, over every shard read. A read task reports a shard's counts once
     it has read the shard to its end, and a shard read again (a later epoch, a resumed one) counts
     what it counted before, so each record is counted once. `by_shard` goes into checkpoints and
@@ -96,25 +96,25 @@ class SkipCounts:
         return dict(sorted(total.items()))
 
 
-SkipCounter = ray.remote(num_cpus=0)(SkipCounts)  # one actor per run, every read task reports to it
+BadRecordLedgerActor = ray.remote(num_cpus=0)(BadRecordLedger)  # one actor per run, every read task reports to it
 
 
-class ShardSkipSet:
+class PassedOverShards:
     """The shards the epoch being trained passes over: those a resumed epoch had consumed before
     its checkpoint (empty in a fresh pass). Rank 0 sets them before any rank iterates; each read
     task asks once, so a skipped shard is never read (nor its bad records counted again)."""
 
     def __init__(self):
-        self.skipped = frozenset()
+        self.shards = frozenset()
 
     def set(self, shard_indices) -> None:
-        self.skipped = frozenset(shard_indices)
+        self.shards = frozenset(shard_indices)
 
     def get(self) -> frozenset[int]:
-        return self.skipped
+        return self.shards
 
 
-ShardSkips = ray.remote(num_cpus=0)(ShardSkipSet)  # one actor per run, every read task asks it
+PassedOverShardsActor = ray.remote(num_cpus=0)(PassedOverShards)  # one actor per run, every read task asks it
 
 
 ACTOR_TIMEOUT_S = 60.0
@@ -177,22 +177,22 @@ def _tagged(batches: Iterator[dict], index: int) -> Iterator[dict]:
 
 
 def read_shards(
-    batch: dict, image_size: int, max_length: int, counter, endpoint_url: str | None, subset: Subset, skips=None
+    batch: dict, image_size: int, max_length: int, ledger, endpoint_url: str | None, subset: Subset, passed_over=None
 ) -> Iterator[dict]:
     """One task: shard paths in → their samples out as decoded, tokenized batches of DECODE_BATCH,
     yielded as they fill, so memory holds a batch and one open shard whatever the shard's size.
-    Shards `skips` (a ShardSkips) names are passed over unread."""
-    skipped = ask(skips.get.remote(), "the ShardSkips actor") if skips is not None else frozenset()
+    Shards the `passed_over` actor (a PassedOverShardsActor) names are not read."""
+    pass_over = ask(passed_over.get.remote(), "the PassedOverShardsActor") if passed_over is not None else frozenset()
     for shard, index in zip(batch["shard"], batch["index"]):
-        if int(index) in skipped:
+        if int(index) in pass_over:
             continue
-        yield from _tagged(_read_shard(str(shard), image_size, max_length, counter, endpoint_url, subset), int(index))
+        yield from _tagged(_read_shard(str(shard), image_size, max_length, ledger, endpoint_url, subset), int(index))
 
 
 def _read_shard(
-    shard: str, image_size: int, max_length: int, counter, endpoint_url: str | None, subset: Subset
+    shard: str, image_size: int, max_length: int, ledger, endpoint_url: str | None, subset: Subset
 ) -> Iterator[dict]:
-    """One shard's samples as decoded batches; its skip counts go to `counter` once it is read to
+    """One shard's samples as decoded batches; its skip counts go to `ledger` once it is read to
     its end (a read cut short reports nothing: the shard is read again, in full, later)."""
     skips, pending = Counter(), []
     for sample in subset(shards.iter_shard(shard, skips, endpoint_url)):
@@ -202,22 +202,22 @@ def _read_shard(
             pending = []
     if pending:
         yield _decode(pending, image_size, max_length, skips)
-    if counter is not None and any(skips.values()):
-        counter.add.remote(shard, +skips)
+    if ledger is not None and any(skips.values()):
+        ledger.add.remote(shard, +skips)
 
 
 def build_dataset(
     uri: str,
     image_size: int,
     max_length: int,
-    counter=None,
+    ledger=None,
     endpoint_url: str | None = None,
     resources: IngestResources | None = None,
     shuffle_seed: int | None = 0,
     subset_fraction: float | None = None,
     subset_salt: str = "subset",
     format: shards.ShardFormat = "auto",
-    skips=None,
+    passed_over=None,
     files: list[str] | None = None,
 ) -> ray.data.Dataset:
     """A streaming dataset of {"image": (3,S,S) uint8, "tokens": (L,) int64} from shards at `uri`;
@@ -226,7 +226,7 @@ def build_dataset(
     shard) and "shard_rows" (the shard's row count on its last batch's rows, else 0).
 
     The shard order is shuffled anew each epoch from `shuffle_seed` (None: sorted order); the
-    shards `skips` (a ShardSkips) names when an epoch starts are passed over. `files` is the shard
+    shards the `passed_over` actor names when an epoch starts are passed over. `files` is the shard
     list when the caller has listed it; `resources` default to the whole cluster, for use outside
     training."""
     files = files or shards.list_shards(uri, format, endpoint_url)
@@ -236,7 +236,7 @@ def build_dataset(
         ds = ds.randomize_block_order(seed=ray.data.RandomSeedConfig(seed=shuffle_seed, reseed_after_execution=True))
     ds = ds.map_batches(
         read_shards,
-        fn_args=(image_size, max_length, counter, endpoint_url, Subset(subset_fraction, subset_salt), skips),
+        fn_args=(image_size, max_length, ledger, endpoint_url, Subset(subset_fraction, subset_salt), passed_over),
         batch_size=1,
         batch_format="numpy",
         num_cpus=resources.cpus_per_reader,

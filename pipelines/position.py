@@ -7,7 +7,7 @@ are summed over ranks, since a shard's rows go to any rank, and a shard is *cons
 one of its rows has been trained on. Rows still in prefetch or local-shuffle buffers are not.
 The checkpoint stores the `DataPosition` (epoch, shard-order seed, the shard list's fingerprint,
 the consumed shards); a resumed run continues that epoch, its read tasks passing over the consumed
-shards without reading them (`ingest.ShardSkips`).
+shards without reading them (`ingest.PassedOverShardsActor`).
 
 Guarantee, for the weights resumed from a checkpoint (steps after it are lost and trained anew):
 no shard is lost; the shards in flight at the checkpoint (partly trained on) are read again in
@@ -75,14 +75,14 @@ def consumed_shards(trained: np.ndarray, totals: np.ndarray) -> set[int]:
 
 
 class ShardTally:
-    """One rank's rows trained on per shard in this epoch, since this process started it; `skipped`
+    """One rank's rows trained on per shard in this epoch, since this process started it; `passed_over`
     are the shards it passes over, consumed before a resume. Counted in torch on the host, from
     the batch's host tensors: a step adds to it without reading anything back from a device."""
 
-    def __init__(self, num_shards: int, skipped: frozenset[int] = frozenset()):
+    def __init__(self, num_shards: int, passed_over: frozenset[int] = frozenset()):
         self.trained = torch.zeros(num_shards, dtype=torch.int64)
         self.totals = torch.zeros(num_shards, dtype=torch.int64)
-        self.skipped = skipped
+        self.passed_over = passed_over
 
     def add(self, shard: torch.Tensor, shard_rows: torch.Tensor) -> None:
         self.trained += torch.bincount(shard, minlength=len(self.trained))
@@ -94,4 +94,4 @@ class ShardTally:
         trained, totals = (a.to(device, copy=True) for a in (self.trained, self.totals))
         dist.all_reduce(trained)
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
-        return tuple(sorted(self.skipped | consumed_shards(trained.cpu().numpy(), totals.cpu().numpy())))
+        return tuple(sorted(self.passed_over | consumed_shards(trained.cpu().numpy(), totals.cpu().numpy())))

@@ -24,7 +24,14 @@ from mdc.models.captioner import PRESETS
 from mdc.train import checkpoint as ckpt
 from pipelines import progress, reports, tracking
 from pipelines.console import console
-from pipelines.ingest import DataStallError, IngestResources, ShardSkips, SkipCounter, build_dataset, ingest_resources
+from pipelines.ingest import (
+    BadRecordLedgerActor,
+    DataStallError,
+    IngestResources,
+    PassedOverShardsActor,
+    build_dataset,
+    ingest_resources,
+)
 from pipelines.position import fingerprint
 from pipelines.runtime import absolute_paths, check_inputs
 from pipelines.worker.args import IngestActors, WorkerArgs
@@ -40,7 +47,7 @@ class TrainSummary:
     mlflow_run_id: str
     checkpoint_uri: str
     metrics: dict
-    skipped: dict = field(default_factory=dict)  # bad records by reason
+    bad_records: dict = field(default_factory=dict)  # records skipped, by reason
 
 
 def image_size(cfg: RunConfig) -> int:
@@ -104,7 +111,7 @@ def _train(
     driver.note(f"preparing data ({data.train_uri}) and {cfg.train.num_workers} training workers")
     mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
     run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id)
-    actors = IngestActors(bad_records=SkipCounter.remote(), passed_over=ShardSkips.remote())
+    actors = IngestActors(bad_records=BadRecordLedgerActor.remote(), passed_over=PassedOverShardsActor.remote())
     train_shards = shards.list_shards(data.train_uri, data.format, data.endpoint_url)
     resources, datasets = _datasets(cfg, actors, train_shards)
     storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
@@ -177,7 +184,7 @@ def _datasets(cfg: RunConfig, actors: IngestActors, train_shards: list[str]) -> 
             subset_fraction=data.subset_fraction,
             subset_salt=data.subset_salt,
             format=data.format,
-            skips=actors.passed_over,
+            passed_over=actors.passed_over,
             files=train_shards,
         )
     }

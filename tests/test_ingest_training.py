@@ -60,7 +60,7 @@ def test_webdataset_folder_with_side_files_trains_from_s3(ray_cluster, s3_server
     summary = run(tmp_path, "web", f"{bucket}/laion", s3_server.endpoint_url)
     assert summary.metrics["step"] == 2
     # truncated tar, corrupt JPEG, empty and non-UTF-8 caption: once each, though both epochs read every shard
-    assert summary.skipped == damaged
+    assert summary.bad_records == damaged
 
 
 def test_parquet_folder_with_failed_rows_trains(ray_cluster, tmp_path):
@@ -70,7 +70,7 @@ def test_parquet_folder_with_failed_rows_trains(ray_cluster, tmp_path):
     summary = run(tmp_path, "par", out)
     assert summary.metrics["step"] == 2
     failed = sum(r.jpg is None for r in ROWS[:40])  # the third shard is cut, so unreadable
-    assert summary.skipped == damaged | {shards.FAILED_DOWNLOAD: failed}
+    assert summary.bad_records == damaged | {shards.FAILED_DOWNLOAD: failed}
 
 
 def test_mixed_folder_trains(ray_cluster, tmp_path):
@@ -78,7 +78,7 @@ def test_mixed_folder_trains(ray_cluster, tmp_path):
     write_img2dataset_folder(ROWS[30:], str(tmp_path / "mixed" / "par"), "parquet", samples_per_shard=10)
     summary = run(tmp_path, "mixed", tmp_path / "mixed", train__steps=3)  # two batches a worker per epoch
     assert summary.metrics["step"] == 3
-    assert summary.skipped == {shards.FAILED_DOWNLOAD: sum(r.jpg is None for r in ROWS[30:])}
+    assert summary.bad_records == {shards.FAILED_DOWNLOAD: sum(r.jpg is None for r in ROWS[30:])}
     waits = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(
         summary.mlflow_run_id, "data_wait_fraction"
     )

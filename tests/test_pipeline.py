@@ -111,9 +111,9 @@ def test_fsdp_training_from_bucket_counts_bad_records(ray_cluster, s3_server, tm
     losses = [v for _, v in metric_steps(cfg, summary.mlflow_run_id)]
     assert len(losses) == 40
     assert sum(losses[-10:]) / 10 < 0.6 * sum(losses[:5]) / 5
-    assert summary.skipped[shards.UNDECODABLE_IMAGE] >= 1
-    assert summary.skipped[shards.EMPTY_CAPTION] >= 1
-    assert summary.skipped[shards.TRUNCATED_TAR] == 1
+    assert summary.bad_records[shards.UNDECODABLE_IMAGE] >= 1
+    assert summary.bad_records[shards.EMPTY_CAPTION] >= 1
+    assert summary.bad_records[shards.TRUNCATED_TAR] == 1
     logged = MlflowClient(cfg.mlflow_uri).get_run(summary.mlflow_run_id).data.metrics
     assert logged["skipped/truncated_tar"] == 1
     keys = storage.list_files(f"{bucket}/checkpoints/s3-run", (".distcp", ".safetensors"), s3_server.endpoint_url)
@@ -212,13 +212,13 @@ def test_unreachable_storage_fails_fast(ray_cluster, s3_server, tmp_path):
 def test_ingest_streams_parquet_and_tar_alike(ray_cluster, tmp_path):
     import ray
 
-    from pipelines.ingest import SkipCounter, build_dataset
+    from pipelines.ingest import BadRecordLedgerActor, build_dataset
 
     for fmt in ("parquet", "webdataset"):
         write_shapes_dataset(str(tmp_path / fmt), num=120, seed=1, format=fmt, samples_per_shard=40)
     counts = {}
     for fmt in ("parquet", "webdataset"):
-        counter = SkipCounter.remote()
+        counter = BadRecordLedgerActor.remote()
         ds = build_dataset(str(tmp_path / fmt / "train"), 32, 16, counter, shuffle_seed=None)
         batches = list(ds.iter_batches(batch_size=50, batch_format="numpy"))
         counts[fmt] = sum(len(b["tokens"]) for b in batches)

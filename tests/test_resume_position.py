@@ -12,7 +12,7 @@ import torch
 from mdc.config import load_config
 from mdc.data.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
 from pipelines import ingest
-from pipelines.ingest import ShardSkipSet, SkipCounts, Subset, read_shards
+from pipelines.ingest import BadRecordLedger, PassedOverShards, Subset, read_shards
 from pipelines.position import DataPosition, ShardTally, consumed_shards, fingerprint, resume_point
 
 
@@ -25,7 +25,7 @@ def test_a_shard_is_consumed_when_its_rows_summed_over_ranks_are_all_trained():
 
 
 def test_tally_counts_rows_per_shard_and_keeps_what_was_skipped(gloo_process_group):
-    tally = ShardTally(4, skipped=frozenset({3}))
+    tally = ShardTally(4, passed_over=frozenset({3}))
     tally.add(torch.tensor([0, 0, 1, 2]), torch.tensor([0, 0, 0, 0]))
     tally.add(torch.tensor([0, 1, 1]), torch.tensor([0, 3, 3]))  # shard 1's last batch: 3 rows in all
     assert tally.trained.tolist() == [3, 3, 1, 0] and tally.totals.tolist() == [0, 3, 0, 0]
@@ -87,7 +87,7 @@ def test_skipped_shards_are_not_read_and_bad_records_are_counted_once(tmp_path, 
     resumed epoch that passes over shard 0 reads shard 1 again: every count stays what one pass
     counted, in the live counter and in one restored from a checkpoint."""
     batch, damaged = two_shards(tmp_path, damaged=True)
-    counts, skips = SkipCounts(), ShardSkipSet()
+    counts, skips = BadRecordLedger(), PassedOverShards()
     first = list(read_shards(batch, 32, 16, Actor(counts), None, Subset(None, ""), Actor(skips)))
     assert counts.get() == damaged and set(np.concatenate([b["shard"] for b in first])) == {0, 1}
 
@@ -96,7 +96,7 @@ def test_skipped_shards_are_not_read_and_bad_records_are_counted_once(tmp_path, 
     assert set(np.concatenate([b["shard"] for b in again])) == {1}
     assert counts.get() == damaged
 
-    relaunched = SkipCounts()
+    relaunched = BadRecordLedger()
     relaunched.restore(json.loads(json.dumps(counts.state())))  # as a checkpoint carries it
     list(read_shards(batch, 32, 16, Actor(relaunched), None, Subset(None, ""), Actor(skips)))
     assert relaunched.get() == damaged

@@ -35,7 +35,6 @@ INVALID_JSON = "invalid_json"
 CORRUPT_PARQUET = "corrupt_parquet"
 FAILED_DOWNLOAD = "failed_download"  # an img2dataset row whose status is not "success"
 
-SkipCounts = Counter  # reason -> number of records skipped
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # in order of preference within one sample
 SHARD_SUFFIXES = (".tar", ".parquet")

@@ -63,7 +63,7 @@ def train(
     console.print(
         f"[green]done[/green] {summary.run_name}: loss {summary.metrics.get('loss', float('nan')):.4f}, "
         f"checkpoint {summary.checkpoint_uri}, MLflow run {summary.mlflow_run_id}, "
-        f"skipped {summary.skipped or 'none'}",
+        f"skipped {summary.bad_records or 'none'}",
         highlight=False,
     )
 

@@ -14,8 +14,8 @@ from pipelines.worker.callbacks import Fault
 class IngestActors:
     """The run's two ingest actors, which only the data cursor talks to."""
 
-    bad_records: Any  # ingest.SkipCounter: bad-record counts per shard
-    passed_over: Any  # ingest.ShardSkips: the shards the read tasks pass over
+    bad_records: Any  # ingest.BadRecordLedgerActor: bad-record counts per shard
+    passed_over: Any  # ingest.PassedOverShardsActor: the shards the read tasks pass over
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ class DataCursor:
         if self.passed_over:  # the resumed epoch is over: the next ones are fresh passes
             self.passed_over = frozenset()
             if self.rank == 0 and self.actors is not None:
-                ask(self.actors.passed_over.set.remote(self.passed_over), "the ShardSkips actor")
+                ask(self.actors.passed_over.set.remote(self.passed_over), "the PassedOverShardsActor")
             dist.barrier()
 
     def state(self, device) -> dict:
@@ -94,5 +94,5 @@ class DataCursor:
         rank 0, the bad-record counts of shards a relaunched run will not read again."""
         extra = DataPosition(self.epoch, self.seed, self.shard_list_id, self.tally.consumed(device)).to_state()
         if self.rank == 0 and self.actors is not None:
-            extra[BAD_RECORDS_KEY] = ask(self.actors.bad_records.state.remote(), "the SkipCounter actor")
+            extra[BAD_RECORDS_KEY] = ask(self.actors.bad_records.state.remote(), "the BadRecordLedgerActor")
         return extra
