@@ -38,6 +38,6 @@ def masked_captions(lengths: torch.Tensor, max_length: int, mask_id: int, pad_id
 
 
 def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """Classifier-free guidance on logits, l_u + s·(l_c − l_u); ids that are never predicted
-    ([MASK], pad: −∞ in both) stay −∞ instead of becoming NaN."""
-    return torch.where(torch.isfinite(cond), uncond + scale * (cond - uncond), cond)
+    """Classifier-free guidance on logits, l_u + s·(l_c − l_u) (finite: the output layer predicts
+    no special id, so no −∞ can turn into NaN)."""
+    return uncond + scale * (cond - uncond)

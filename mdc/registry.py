@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from mdc import sampling
+from mdc import ddcap, sampling
 from mdc.models.captioner import Captioner
 from mdc.models.cdlm import DiffusionLMCaptioner
 from mdc.models.clip import ClipModel
@@ -26,7 +26,7 @@ from mdc.objectives.clip import clip_loss
 from mdc.objectives.masked import T_MIN, masked_diffusion_loss
 
 LossFn = Callable[..., tuple[torch.Tensor, dict]]  # (model, images, tokens, objective config, generator)
-WriteFn = Callable[..., torch.Tensor]  # (model, images, length, sampler, steps, guidance_scale) -> (B, L)
+WriteFn = Callable[..., torch.Tensor]  # (model, images, length, sampling.Decoding) -> (B, L)
 
 # The one yardstick of every masking objective's validation loss, whatever its training schedule or
 # ratio: the masked-diffusion ELBO over t ∈ [T_MIN, 1] per non-pad token, estimated without bias.
@@ -117,18 +117,36 @@ def _continuous_loss(model, images, tokens, objective, generator=None):
     return continuous_diffusion_loss(model, images, tokens, generator)
 
 
-def _write_masked(model, images, length, sampler="confidence", steps=None, guidance_scale=1.0):
+def _write_masked(model, images, length, decoding: sampling.Decoding):
+    """N' = `length` [MASK]s; per-image lengths (B,) as [MASK]s then pad; None: the length head's."""
+    tokens = None
+    if torch.is_tensor(length):
+        tokens, length = ddcap.masked_captions(length, model.max_length, model.mask_id, model.pad_id), None
     return sampling.sample_masked(
-        model, images, length=length, strategy=sampler, steps=steps, guidance_scale=guidance_scale
+        model,
+        images,
+        length=length,
+        tokens=tokens,
+        strategy=decoding.sampler,
+        steps=decoding.steps,
+        guidance_scale=decoding.guidance_scale,
+        schedule=decoding.schedule,
+        threshold=decoding.threshold,
     )
 
 
-def _write_autoregressive(model, images, length, sampler=None, steps=None, guidance_scale=1.0):
-    return sampling.generate_autoregressive(model, images, max_tokens=length)
+def _fixed_length(name: str, length) -> int:
+    if not isinstance(length, int):
+        raise ValueError(f"a {name} model writes at a fixed caption length, not {length!r}")
+    return length
 
 
-def _write_continuous(model, images, length, sampler=None, steps=None, guidance_scale=1.0):
-    return sampling.sample_continuous(model, images, length, steps=steps or 5)
+def _write_autoregressive(model, images, length, decoding: sampling.Decoding):
+    return sampling.generate_autoregressive(model, images, max_tokens=_fixed_length("autoregressive", length))
+
+
+def _write_continuous(model, images, length, decoding: sampling.Decoding):
+    return sampling.sample_continuous(model, images, _fixed_length("cdlm", length), steps=decoding.steps or 5)
 
 
 _MASKED = dict(
@@ -201,14 +219,13 @@ def write_captions(
     model,
     images: torch.Tensor,
     objective_name: str,
-    length: int,
-    sampler: str = "confidence",
-    steps: int | None = None,
-    guidance_scale: float = 1.0,
+    length: int | torch.Tensor | None,
+    decoding: sampling.Decoding = sampling.Decoding(),
 ) -> torch.Tensor:
-    """(B, length) caption tokens in the objective's own way: N' masked steps, greedy decoding, or
-    `steps` (default 5) rounds of continuous denoising."""
+    """(B, L) caption tokens in the objective's own way: masked denoising (N' = `length`, or per-image
+    lengths (B,), or None for the length head's), greedy decoding up to `length` tokens, or
+    `decoding.steps` (default 5) rounds of continuous denoising."""
     entry = objective(objective_name)
     if entry.write is None:
         raise ValueError(f"a {objective_name!r} model does not write captions")
-    return entry.write(model, images, length, sampler, steps, guidance_scale)
+    return entry.write(model, images, length, decoding)

@@ -12,6 +12,7 @@ denoises continuous embeddings from noise and rounds them to tokens.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -19,15 +20,50 @@ from mdc import ddcap
 from mdc.models.cdlm import noised
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How a masked diffusion model writes: `sample_masked`'s strategy, passes, schedule or
+    threshold, and DDCap guidance (the other objectives' writers read only `steps`)."""
+
+    sampler: str = "confidence"
+    steps: int | None = None
+    schedule: str = "fixed"
+    threshold: float | None = None
+    guidance_scale: float = 1.0
+
+    def label(self) -> str:
+        """A short name for tables and curves: `confidence`, `cosine×3`, `threshold 0.9`, ..."""
+        if self.threshold is not None:
+            return f"threshold {self.threshold:g}"
+        name = self.sampler if self.schedule == "fixed" else self.schedule
+        return (
+            name
+            + (f"×{self.steps}" if self.steps else "")
+            + (f" s={self.guidance_scale:g}" if self.guidance_scale != 1 else "")
+        )
+
+
 def _choose(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token per position (argmax at temperature 0, else sampled) and its probability."""
+    """Token per row of (M, V) logits (argmax at temperature 0, else sampled) and its probability.
+    At temperature 0 the probability is exp(max − logsumexp): no softmax over the vocabulary."""
     if temperature == 0.0:
-        probs = logits.softmax(-1)
-        conf, token = probs.max(-1)
-        return token, conf
+        best, token = logits.max(-1)
+        return token, (best - logits.logsumexp(-1)).exp()
     probs = (logits / temperature).softmax(-1)
-    token = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(probs.shape[:2])
-    return token, probs.gather(-1, token[..., None])[..., 0]
+    token = torch.multinomial(probs, 1, generator=generator)
+    return token[:, 0], probs.gather(-1, token)[:, 0]
+
+
+def _commit_count(left: torch.Tensor, total: torch.Tensor, step: int, steps: int, schedule: str, per_step: int):
+    """(B, 1) positions each row commits at pass `step` of `steps`, `left` (B,) of its `total` still masked."""
+    if schedule == "cosine":
+        stays = torch.floor(total * math.cos(math.pi / 2 * (step + 1) / steps))
+        return (left - stays).clamp(min=1)[:, None]
+    if schedule == "linear":  # the rest spread evenly over the passes left
+        return torch.ceil(left / (steps - step)).long()[:, None]
+    if schedule == "fixed":
+        return torch.full_like(left, per_step)[:, None]
+    raise ValueError(f"unknown schedule {schedule!r} (fixed | linear | cosine)")
 
 
 def initial_tokens(model, batch_size: int, length: int, device) -> torch.Tensor:
@@ -46,14 +82,22 @@ def sample_masked(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     guidance_scale: float = 1.0,
+    schedule: str = "fixed",
+    threshold: float | None = None,
 ) -> torch.Tensor:
     """Denoise [MASK] positions of `tokens` (B, L) — or of N' = `length` fresh [MASK]s, or, for a
     model with a length head (DDCap) and no length given, of its predicted N' per image.
 
     `steps` defaults to ceil(masked / tokens_per_step): N' steps, one token each, as in the paper.
+    Fewer passes, for the confidence strategy: `schedule="linear"` spreads the N' commits evenly
+    over `steps` passes; `"cosine"` commits, by pass s of S, all but ⌊N'·cos(π/2·s/S)⌋ (MaskGIT);
+    a `threshold` commits every masked position whose token is at least that probable, and at least
+    the most confident one (Fast-dLLM), in ≤ N' passes.
     `guidance_scale` s ≠ 1 (a model trained image-free) mixes conditional and null-image logits,
     l_u + s·(l_c − l_u). Returns (B, L) tokens with no [MASK] left; pad positions stay pad.
     """
+    if strategy != "confidence" and (schedule != "fixed" or threshold is not None):
+        raise ValueError(f"schedule and threshold choose the confidence strategy's commits, not {strategy!r}'s")
     features = model.encode(images)
     if tokens is None:
         if length is not None:
@@ -71,11 +115,16 @@ def sample_masked(
             raise ValueError("guidance needs a model trained image-free (objective.image_free_prob > 0)")
         null_kv = model.image_keys_values(model.null_features(len(tokens)))
 
-    def logits_at(tokens, t):
-        logits = model.decode(tokens, image_kv, t=t)
-        if null_kv is None:
-            return logits
-        return ddcap.guide(logits, model.decode(tokens, null_kv, t=t), guidance_scale)
+    def propose(tokens, masked, t):
+        """A token and its probability at every masked position (elsewhere the token itself, at
+        probability −1); only masked positions are projected onto the vocabulary."""
+        logits = model.decode(tokens, image_kv, t=t, where=masked)
+        if null_kv is not None:
+            logits = ddcap.guide(logits, model.decode(tokens, null_kv, t=t, where=masked), guidance_scale)
+        token, prob = _choose(logits, temperature, generator)
+        proposal, conf = tokens.clone(), torch.full(tokens.shape, -1.0, device=tokens.device)
+        proposal[masked], conf[masked] = token, prob.to(conf.dtype)
+        return proposal, conf
 
     masked = tokens == model.mask_id
     total = masked.sum(1)
@@ -85,22 +134,23 @@ def sample_masked(
         if not masked.any():
             break
         t = masked.sum(1) / total.clamp(min=1)  # fraction still masked: the current noise level
-        proposal, conf = _choose(logits_at(tokens, t), temperature, generator)
+        proposal, conf = propose(tokens, masked, t)
         if strategy == "ancestral":
             t_now, t_next = 1.0 - step / steps, 1.0 - (step + 1) / steps
             u = torch.rand(tokens.shape, generator=generator, device=tokens.device)
             commit = masked & (u < (t_now - t_next) / t_now)
         elif strategy == "confidence":
-            score = torch.where(masked, conf, -1.0)
-            rank = score.argsort(dim=1, descending=True).argsort(dim=1)
-            commit = masked & (rank < tokens_per_step)
+            rank = conf.argsort(dim=1, descending=True).argsort(dim=1)
+            if threshold is not None:
+                commit = masked & ((conf >= threshold) | (rank == 0))
+            else:
+                commit = masked & (rank < _commit_count(masked.sum(1), total, step, steps, schedule, tokens_per_step))
         else:
             raise ValueError(f"unknown sampler strategy {strategy!r} (ancestral | confidence)")
         tokens = torch.where(commit, proposal, tokens)
         masked = masked & ~commit
     if masked.any():  # fewer steps than needed: commit the rest at once
-        proposal, _ = _choose(logits_at(tokens, torch.zeros(len(tokens), device=tokens.device)), temperature, generator)
-        tokens = torch.where(masked, proposal, tokens)
+        tokens, _ = propose(tokens, masked, torch.zeros(len(tokens), device=tokens.device))
     return tokens
 
 
@@ -117,10 +167,10 @@ def generate_autoregressive(
     done = torch.zeros(b, dtype=torch.bool, device=device)
     for i in range(max_tokens):
         if use_cache:
-            logits = model.decode(seq[:, -1:], image_kv, cache=cache, offset=i)
+            states = model.hidden_states(seq[:, -1:], image_kv, cache=cache, offset=i)
         else:
-            logits = model.decode(seq, image_kv, causal=True)
-        nxt = logits[:, -1].argmax(-1)
+            states = model.hidden_states(seq, image_kv, causal=True)
+        nxt = model.project(states[:, -1]).argmax(-1)  # only the last position onto the vocabulary
         nxt = torch.where(done, model.pad_id, nxt)
         done = done | (nxt == model.eos_id)
         seq = torch.cat([seq, nxt[:, None]], dim=1)

@@ -19,14 +19,18 @@ from mdc.objectives.masked import T_MIN
 
 
 def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    """log p(target) per row of (M, V) logits: the target's logit less the logsumexp (no
+    log-softmax over the whole vocabulary)."""
+    return logits.gather(-1, targets[..., None])[..., 0] - logits.logsumexp(-1)
 
 
 @torch.no_grad()
 def autoregressive_score(model, images, tokens) -> torch.Tensor:
     inputs, targets = autoregressive_io(tokens, model.bos_id, model.eos_id, model.pad_id)
-    logp = _token_log_probs(model(images, inputs, causal=True), targets)
-    return torch.where(targets != model.pad_id, logp, 0.0).sum(1)
+    real = targets != model.pad_id  # only these positions are projected onto the vocabulary
+    logp = torch.zeros(real.shape, device=tokens.device)
+    logp[real] = _token_log_probs(model(images, inputs, causal=True, where=real), targets[real])
+    return logp.sum(1)
 
 
 @torch.no_grad()
@@ -44,9 +48,9 @@ def pseudo_log_likelihood(model, images, tokens) -> torch.Tensor:
         noisy[:, i] = torch.where(rows, model.mask_id, tokens[:, i])
         t = 1.0 / real.sum(1).clamp(min=1)
         column = torch.zeros_like(real)
-        column[:, i] = True
-        logits = model.decode(noisy, image_kv, t=t, where=column)  # (B, vocab), rows in order
-        total += torch.where(rows, _token_log_probs(logits, tokens[:, i]), 0.0)
+        column[:, i] = rows
+        logits = model.decode(noisy, image_kv, t=t, where=column)  # (rows with a token at i, V − 2)
+        total[rows] += _token_log_probs(logits, tokens[rows, i])
     return total
 
 
@@ -130,7 +134,8 @@ def denoising_scores(
             t, noise = t_all[k], noise_all[k, :, : tokens.shape[1]]
             x0_hat = model.predict_x0(tokens, image_kv, t, noised(x0, t, noise))
             mse = (x0_hat.float() - x0.float()).pow(2).mean(-1)  # float32 under bf16 compute too
-            logp = model.project(x0_hat).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+            logp = torch.zeros(real.shape, device=device)  # projected only at real tokens
+            logp[real] = _token_log_probs(model.project(x0_hat[real]), tokens[real])
             total -= torch.where(real, mse - logp, 0.0).sum(1)
         scores.append(total / num_samples)
     return scores

@@ -32,9 +32,9 @@ def words(b, n, seed=1):
 def test_mask_and_pad_are_never_predicted(model, causal):
     tokens = words(2, 8)
     tokens[0, 2], tokens[1, 5:] = MASK, PAD
-    probs = model(images(), tokens, causal=causal).softmax(-1)
-    assert (probs[..., MASK] == 0).all() and (probs[..., PAD] == 0).all()
-    assert torch.allclose(probs.sum(-1), torch.ones(2, 8))
+    logits = model(images(), tokens, causal=causal)
+    assert logits.shape == (2, 8, min(MASK, PAD))  # one logit per id before [MASK] and pad, index = id
+    assert logits.isfinite().all()
 
 
 @torch.no_grad()
@@ -76,7 +76,7 @@ def test_where_projects_only_the_chosen_positions(model):
     tokens[1, 6:] = PAD
     where = torch.rand(2, 8, generator=torch.Generator().manual_seed(2)) < 0.5
     picked = model(images(), tokens, where=where)
-    assert picked.shape == (int(where.sum()), model.token_embed.num_embeddings)
+    assert picked.shape == (int(where.sum()), model.token_embed.num_embeddings - 2)
     torch.testing.assert_close(picked, model(images(), tokens)[where])
 
 

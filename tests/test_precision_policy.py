@@ -11,6 +11,7 @@ from mdc.config import load_config
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.evaluation.compositionality import get_scorer
 from mdc.models.captioner import sinusoidal_embedding
+from mdc.sampling import Decoding
 from mdc.train import checkpoint as ckpt
 from mdc.train.fsdp import apply_fsdp
 from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step
@@ -104,7 +105,7 @@ def test_bf16_policy_trains_validates_scores_writes_and_checkpoints(case, tmp_pa
     )
     assert scores.shape == (len(images), 2) and torch.isfinite(scores).all()
     if entry.write is not None:
-        captions = registry.write_captions(plain, images, cfg.objective.name, LENGTH, steps=2)
+        captions = registry.write_captions(plain, images, cfg.objective.name, LENGTH, Decoding(steps=2))
         assert captions.shape == (len(images), LENGTH)
         assert not (captions == CaptionTokenizer.mask_id).any()
 

@@ -78,8 +78,9 @@ def test_confidence_commits_the_k_most_confident_per_step(model, monkeypatch, k)
     for (tokens, logits), (after, _) in zip(calls, [*calls[1:], (out, None)]):
         committed = (tokens == MASK) & (after != MASK)
         assert (committed.sum(1) == min(k, int((tokens == MASK).sum(1)[0]))).all()
-        conf, best = logits.softmax(-1).max(-1)
-        conf = torch.where(tokens == MASK, conf, -1.0)
+        assert logits.shape == (int((tokens == MASK).sum()), 49408)  # masked positions alone projected
+        conf, best = torch.full(tokens.shape, -1.0), tokens.clone()
+        conf[tokens == MASK], best[tokens == MASK] = logits.softmax(-1).max(-1)
         top = conf.topk(int(committed.sum(1)[0]), dim=1).indices
         assert torch.equal(committed, torch.zeros_like(committed).scatter(1, top, True))
         assert torch.equal(after[committed], best[committed])
@@ -115,16 +116,22 @@ def test_sampler_arguments_are_checked(model):
 
 
 def force_eos(model, monkeypatch, row: int, position: int):
-    """Make `row` choose EOS as the token at `position` (0-based, after BOS)."""
-    decode = model.decode
+    """Make `row` choose EOS as the token at `position` (0-based, after BOS): the decoder's states
+    say which position is read next, the output layer's logits are biased there."""
+    hidden_states, project, last = model.hidden_states, model.project, [None]
 
-    def biased(tokens, *args, offset=0, **kwargs):
-        logits = decode(tokens, *args, offset=offset, **kwargs)
-        if offset + tokens.shape[1] - 1 == position:
-            logits[row, -1, EOS] = 1e4
+    def reading(tokens, *args, offset=0, **kwargs):
+        last[0] = offset + tokens.shape[1] - 1
+        return hidden_states(tokens, *args, offset=offset, **kwargs)
+
+    def biased(states):
+        logits = project(states)
+        if last[0] == position:
+            logits[row, EOS] = 1e4
         return logits
 
-    monkeypatch.setattr(model, "decode", biased)
+    monkeypatch.setattr(model, "hidden_states", reading)
+    monkeypatch.setattr(model, "project", biased)
 
 
 def test_kv_cache_decoding_matches_full_decoding(model, monkeypatch):

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
 
@@ -25,6 +26,7 @@ from mdc import registry
 from mdc.data.shards import Sample
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.evaluation.probe import preprocess
+from mdc.sampling import Decoding
 
 
 def normalize_caption(text: str) -> str:
@@ -63,45 +65,71 @@ def group_by_image(samples: Iterable[Sample], limit: int | None = None) -> list[
     return list(images.values())
 
 
+LENGTH_CHOICES = ("predicted", "reference")  # beside fixed N': the length head's, the references' (an oracle)
+
+
+def caption_lengths(model, objective: str, images: Sequence[CaptionImage], length, tokenizer, pixels):
+    """What `registry.write_captions` takes as the length for a batch: a fixed N' (an int), the
+    length head's prediction (None), or each image's median reference length in tokens (B,) — an
+    upper bound, since no captioner knows it."""
+    if length == "predicted":
+        if getattr(model, "length_head", None) is None:
+            raise ValueError(
+                f"--length predicted needs a model trained with a length head (a {objective!r} model has none)"
+            )
+        return None
+    if length == "reference":
+        counts = [
+            sorted(int(n) for n in (tokenizer.encode(img.references) != tokenizer.pad_id).sum(1)) for img in images
+        ]
+        return torch.tensor([max(1, c[(len(c) - 1) // 2]) for c in counts], device=pixels.device)
+    return int(length)
+
+
 def evaluate_captions(
     model,
     objective: str,
     images: Sequence[CaptionImage],
-    lengths: Sequence[int] = (10, 15, 20),
-    sampler: str = "confidence",
-    steps: int | None = None,
+    lengths: Sequence[int | str] = (10, 15, 20),
+    decoding: Decoding | None = None,
     batch_size: int = 32,
-    guidance_scale: float = 1.0,
 ) -> dict:
-    """BLEU-4, CIDEr-D and captions per second at each length N', with every caption written.
+    """BLEU-4, CIDEr-D and captions per second at each length — a fixed N', `predicted` (the length
+    head's) or `reference` (each image's median reference length, an upper bound) — with every
+    caption written. Autoregressive models stop at EOS: for them a length is the most tokens.
 
-    Lengths above the model's max_length cannot be written (no position embedding) and are listed
-    under `skipped_lengths`."""
+    Fixed lengths above the model's max_length cannot be written (no position embedding) and are
+    listed under `skipped_lengths`, as are `predicted` and `reference` for writers of a fixed length."""
+    decoding = decoding or Decoding()
     device = next(model.parameters()).device
     max_length = model.pos_embed.shape[1] - 1
     tokenizer = CaptionTokenizer(max_length)
     references = {i: img.references for i, img in enumerate(images)}
+    variable = registry.objective(objective).masked
+    chosen = [
+        n for n in lengths if (n in LENGTH_CHOICES and variable) or (n not in LENGTH_CHOICES and int(n) <= max_length)
+    ]
     results, generated = {}, {}
-    for length in lengths:
-        if length > max_length:
-            continue
+    for length in chosen:
         captions, seconds = [], 0.0
         for i in range(0, len(images), batch_size):
-            pixels = preprocess([img.image for img in images[i : i + batch_size]], model.image_size).to(device)
+            batch = images[i : i + batch_size]
+            pixels = preprocess([img.image for img in batch], model.image_size).to(device)
+            n = caption_lengths(model, objective, batch, length, tokenizer, pixels)
             tic = time.perf_counter()
-            tokens = registry.write_captions(model, pixels, objective, length, sampler, steps, guidance_scale)
+            tokens = registry.write_captions(model, pixels, objective, n, decoding)
             seconds += time.perf_counter() - tic
             captions += tokenizer.decode(tokens)
-        generated[length] = captions
+        generated[str(length)] = captions
         metrics = caption_metrics(dict(enumerate(captions)), references)
         results[str(length)] = {**metrics, "captions_per_s": len(captions) / max(seconds, 1e-9)}
     return {
         "lengths": results,
-        "skipped_lengths": [n for n in lengths if n > max_length],
-        "sampler": registry.objective(objective).sampler or sampler,
+        "skipped_lengths": [n for n in lengths if n not in chosen],
+        "sampler": registry.objective(objective).sampler or decoding.label(),
         "num_images": len(images),
         "captions": [
-            {"key": img.key, "references": img.references, "generated": {str(n): generated[n][i] for n in generated}}
+            {"key": img.key, "references": img.references, "generated": {n: generated[n][i] for n in generated}}
             for i, img in enumerate(images)
         ],
     }

@@ -143,7 +143,7 @@ class DecoderBlock(nn.Module):
 
 
 class Captioner(nn.Module):
-    """Encoder f_φ and decoder g_ψ. Logits of [MASK] and pad are fixed at −∞ (never predicted)."""
+    """Encoder f_φ and decoder g_ψ. [MASK] and pad are never predicted (see `project`)."""
 
     def __init__(
         self,
@@ -186,9 +186,12 @@ class Captioner(nn.Module):
         # a learned null image that stands in for V in image-free training and guidance.
         self.length_head = nn.Linear(dim, max_length) if predict_length else None
         self.null_image = nn.Parameter(0.02 * torch.randn(1, 1, dim)) if null_image else None
-        never = torch.zeros(vocab_size)
-        never[[mask_id, pad_id]] = float("-inf")
-        self.register_buffer("logit_bias", never, persistent=False)
+        if sorted((mask_id, pad_id)) != [vocab_size - 2, vocab_size - 1]:
+            raise ValueError(
+                f"[MASK] ({mask_id}) and pad ({pad_id}) must be the last two of the {vocab_size} ids: "
+                "the output layer predicts the ids before them"
+            )
+        self.num_predicted = vocab_size - 2  # ids 0 .. V−3: every id but [MASK] and pad
 
     @property
     def dim(self) -> int:
@@ -252,8 +255,10 @@ class Captioner(nn.Module):
         return self.norm(x)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits of decoder states: the tied output layer, [MASK] and pad at −∞."""
-        return F.linear(x, self.token_embed.weight).float() + self.logit_bias
+        """Logits (..., V − 2) of decoder states over the ids a caption can hold, index = id: the tied
+        output layer with the rows of [MASK] and pad (the last two ids) cut, so neither is ever
+        predicted and no −∞ bias is added. Float32: the losses' and scores' log-softmax."""
+        return F.linear(x, self.token_embed.weight[: self.num_predicted]).float()
 
     def decode(
         self,
@@ -266,9 +271,9 @@ class Captioner(nn.Module):
         where: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (B, L, vocab) for `tokens` given image features (or their precomputed K/V).
+        """Logits (B, L, V − 2) for `tokens` given image features (or their precomputed K/V).
 
-        With `where` (B, L) boolean, only the logits at those positions, flattened to (M, vocab):
+        With `where` (B, L) boolean, only the logits at those positions, flattened to (M, V − 2):
         the output layer is the decoder's largest matmul, so losses project only what they score.
 
         With `cache` (one dict per block) only the new tokens are passed, starting at position

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from mdc.data import shards
 from mdc.evaluation import captioning, compositionality, infilling, probe, readers, zeroshot
+from mdc.sampling import Decoding
 from mdc.train import checkpoint as ckpt
 from pipelines import reports
 from pipelines.console import console
@@ -260,9 +261,17 @@ def print_compositionality(result: dict) -> None:
 def captions_command(
     checkpoint: str = CHECKPOINT,
     data: str = typer.Option(..., help="shards with reference captions (local or s3://)"),
-    lengths: str = typer.Option("10,15,20", help="caption lengths N' (max tokens for autoregressive models)"),
+    lengths: str = typer.Option(
+        "10,15,20",
+        help="caption lengths N' (max tokens for autoregressive models); also 'predicted' (the length "
+        "head's, models trained with one) and 'reference' (each image's median reference length: an upper bound)",
+    ),
     sampler: str = typer.Option("confidence", help="confidence | ancestral (masked diffusion)"),
-    steps: Optional[int] = typer.Option(None, help="denoising steps (default N', one token per step)"),
+    steps: Optional[int] = typer.Option(None, help="denoising passes (default N', one token per pass)"),
+    schedule: str = typer.Option("fixed", help="fixed (tokens per pass) | cosine (MaskGIT: fewer passes)"),
+    threshold: Optional[float] = typer.Option(
+        None, help="commit every position at least this probable, at least one a pass (Fast-dLLM)"
+    ),
     guidance_scale: float = typer.Option(1.0, help="DDCap guidance s (image-free-trained models; DDCap: 1.06)"),
     limit: Optional[int] = typer.Option(100, help="caption the first N distinct images"),
     batch_size: int = typer.Option(32, min=1),
@@ -276,21 +285,20 @@ def captions_command(
     """Write captions and score them: BLEU-4, CIDEr-D, captions per second, and an HTML page."""
     with user_errors():
         model, cfg, _ = load(checkpoint, endpoint_url, device)
-        sizes = [int(n) for n in lengths.split(",")]
+        sizes = [n if n in captioning.LENGTH_CHOICES else int(n) for n in lengths.split(",")]
+        decoding = Decoding(sampler, steps, schedule, threshold, guidance_scale)
         images = captioning.group_by_image(shards.read_shards(data, endpoint_url), limit)
         if not images:
             raise ValueError(f"no samples in {data}")
         result = {
             "data": data,
             "checkpoint": checkpoint,
-            **captioning.evaluate_captions(
-                model, cfg.objective.name, images, sizes, sampler, steps, batch_size, guidance_scale
-            ),
+            **captioning.evaluate_captions(model, cfg.objective.name, images, sizes, decoding, batch_size),
         }
         if result["skipped_lengths"]:
             console.print(
-                f"[yellow]skipped lengths {result['skipped_lengths']}: above the model's "
-                f"max_length {cfg.data.max_length}[/yellow]"
+                f"[yellow]skipped lengths {result['skipped_lengths']}: above the model's max_length "
+                f"{cfg.data.max_length}, or a length a {cfg.objective.name!r} model does not choose[/yellow]"
             )
     html = html or out.with_name("report.html")
     html.parent.mkdir(parents=True, exist_ok=True)
@@ -301,7 +309,11 @@ def captions_command(
         )
     )
     console.print(f"report: {html}")
-    metrics = {f"eval/captions/N{n}/{k}": v for n, m in result["lengths"].items() for k, v in m.items()}
+    metrics = {
+        f"eval/captions/{'N' + n if n.isdigit() else n}/{k}": v
+        for n, m in result["lengths"].items()
+        for k, v in m.items()
+    }
     report(
         result,
         metrics,
@@ -312,7 +324,7 @@ def captions_command(
         {
             "checkpoint": checkpoint,
             "data": data,
-            "sampler": sampler,
+            "sampler": result["sampler"],
             "lengths": lengths,
             "guidance_scale": guidance_scale,
         },
