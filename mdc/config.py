@@ -144,6 +144,33 @@ class TrainConfig(_Section):
         return self.global_batch // (self.batch_size * self.num_workers)
 
 
+class EvalConfig(_Section):
+    """Evaluation during training: the linear probe and the Monte Carlo compositionality scores of
+    the model at every N steps (each such step also writes a checkpoint), each in its own Ray task
+    beside the training workers, logged to MLflow against step (`online/probe_accuracy`,
+    `online/compositionality/BENCHMARK/SUBSET`)."""
+
+    probe_every: int | None = Field(None, ge=1, description="linear probe every N steps")
+    compositionality_every: int | None = Field(None, ge=1, description="compositionality scores every N steps")
+    data_uri: str | None = Field(
+        None, description="held-out shapes-like data: train/ and val/ with labels, compositionality/ pairs"
+    )
+    samples: int = Field(8, ge=1, description="Monte Carlo draws per caption (compositionality)")
+    limit: int | None = Field(200, ge=1, description="compositionality items per subset")
+    cpus: float = Field(1.0, ge=0.0, description="CPUs each evaluation task asks Ray for")
+    gpus: float = Field(0.0, ge=0.0, description="GPUs each evaluation task asks Ray for")
+    timeout_s: float = Field(1800.0, gt=0.0, description="how long the driver waits for the last evaluations")
+
+    def due(self, step: int) -> tuple[str, ...]:
+        """The evaluations of checkpoint `step`: "probe", "compositionality", both or none."""
+        every = {"probe": self.probe_every, "compositionality": self.compositionality_every}
+        return tuple(name for name, n in every.items() if n and step % n == 0)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.probe_every or self.compositionality_every)
+
+
 class RunConfig(_Section):
     name: str = "mdc-demo"
     storage_uri: str = "runs/checkpoints"
@@ -154,6 +181,7 @@ class RunConfig(_Section):
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -169,6 +197,12 @@ class RunConfig(_Section):
             model = model.model_dump() if isinstance(model, BaseModel) else dict(model)
             raw = {**raw, "model": {**model, "time_conditioning": True}}
         return raw
+
+    @model_validator(mode="after")
+    def _online_evaluation(self) -> RunConfig:
+        if self.eval.enabled and not self.eval.data_uri:
+            raise ValueError("eval.probe_every / eval.compositionality_every need eval.data_uri (held-out data)")
+        return self
 
     @model_validator(mode="after")
     def _objective_needs(self) -> RunConfig:

@@ -24,6 +24,7 @@ from mdc.train.checkpoint import load_pretrained
 from pipelines import tracking
 
 CURVES = ("loss", "val_loss")
+ONLINE_CURVES = ("online/probe_accuracy", "online/compositionality/macro")  # pipelines/online_eval.py's keys
 
 
 def escape(text: str) -> str:
@@ -37,13 +38,14 @@ STYLE = (
 )
 
 
-def curves_png(history: dict[str, list[tuple[int, float]]], path: Path, title: str = "") -> Path:
-    """The training loss and the validation loss against the step, one axis."""
+def curves_png(history: dict[str, list[tuple[int, float]]], path: Path, title: str = "", ylabel: str = "loss") -> Path:
+    """Metrics against the step, one axis: the training and validation losses, or the online
+    evaluation's accuracies."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for key, points in history.items():
         ax.plot([s for s, _ in points], [v for _, v in points], label=key, marker="o" if len(points) < 20 else None)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -199,12 +201,18 @@ def results_html(results: dict) -> str:
 
 
 def training_report(cfg, summary, directory: Path, num_images: int = 8) -> list[Path]:
-    """curves.png and captions.html of a finished training run (captions of the first held-out
+    """curves.png (online.png with online evaluation) and captions.html of a finished training run (captions of the first held-out
     images at N' = 10, or the model's maximum when shorter), written to `directory`."""
-    history = tracking.metric_history(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id, CURVES)
+    mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
+    history = tracking.metric_history(mlflow_uri, summary.mlflow_run_id, CURVES)
     paths = [
         curves_png(history, directory / "curves.png", f"{cfg.name}: {cfg.objective.name}, {cfg.train.steps} steps")
     ]
+    online = [key for key in ONLINE_CURVES if any(key in r for r in summary.online)]
+    if online:
+        title = f"{cfg.name}: the encoder during training (held-out {cfg.eval.data_uri})"
+        history = tracking.metric_history(mlflow_uri, summary.mlflow_run_id, online)
+        paths.append(curves_png(history, directory / "online.png", title, "accuracy"))
     if cfg.data.val_uri and OBJECTIVES[cfg.objective.name].write:
         model, _ = load_pretrained(summary.checkpoint_uri, endpoint_url=cfg.data.endpoint_url)
         length = min(10, cfg.data.max_length - 1)
@@ -214,7 +222,7 @@ def training_report(cfg, summary, directory: Path, num_images: int = 8) -> list[
             page(
                 f"{cfg.name}: held-out captions",
                 [
-                    ("Training", image_html(paths[0], "training and validation loss")),
+                    ("Training", "".join(image_html(p, "curves against step") for p in paths)),
                     ("Held-out captions", captions_html(images, result, f"Captions written at N' = {length}.")),
                 ],
             )

@@ -91,6 +91,7 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
     raw["mlflow_uri"] = tracking.absolute_tracking_uri(raw["mlflow_uri"])
     for key in ("train_uri", "val_uri"):
         raw["data"][key] = absolute_uri(raw["data"][key])
+    raw["eval"]["data_uri"] = absolute_uri(raw["eval"]["data_uri"])
     return RunConfig.model_validate(raw)
 
 
@@ -98,13 +99,22 @@ def check_inputs(cfg: RunConfig) -> None:
     """Fail in seconds, before any cluster work, when the data or the checkpoint store cannot be
     reached: a StorageError that names the config field, the location and what was expected."""
     data = cfg.data
-    for field_name, uri in (("data.train_uri", data.train_uri), ("data.val_uri", data.val_uri)):
+    shard_folder, held_out = (
+        "a folder of .tar or .parquet shards",
+        "a folder holding train/, val/ and compositionality/",
+    )
+    inputs = (
+        ("data.train_uri", data.train_uri, shard_folder),
+        ("data.val_uri", data.val_uri, shard_folder),
+        ("eval.data_uri", cfg.eval.data_uri, held_out),
+    )
+    for field_name, uri, expected in inputs:
         if uri is None:
             continue
         try:
             storage.check_reachable(uri, data.endpoint_url)
         except storage.StorageError as err:
-            raise storage.StorageError(f"{field_name}: {err} (expected a folder of .tar or .parquet shards)") from None
+            raise storage.StorageError(f"{field_name}: {err} (expected {expected})") from None
     if storage.is_s3(cfg.storage_uri):
         try:
             storage.check_reachable(cfg.storage_uri, data.endpoint_url, must_exist=False)

@@ -22,7 +22,7 @@ from mdc.config import RunConfig
 from mdc.data import shards, storage
 from mdc.models.captioner import PRESETS
 from mdc.train import checkpoint as ckpt
-from pipelines import progress, reports, tracking
+from pipelines import online_eval, progress, reports, tracking
 from pipelines.console import console
 from pipelines.ingest import (
     BadRecordLedgerActor,
@@ -32,6 +32,7 @@ from pipelines.ingest import (
     build_dataset,
     ingest_resources,
 )
+from pipelines.online_eval import OnlineEvaluator
 from pipelines.position import fingerprint
 from pipelines.runtime import absolute_paths, check_inputs
 from pipelines.worker.args import IngestActors, WorkerArgs
@@ -48,6 +49,7 @@ class TrainSummary:
     checkpoint_uri: str
     metrics: dict
     bad_records: dict = field(default_factory=dict)  # records skipped, by reason
+    online: list = field(default_factory=list)  # the online evaluations' figures by step (online_eval)
 
 
 def image_size(cfg: RunConfig) -> int:
@@ -112,6 +114,7 @@ def _train(
     mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
     run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id)
     actors = IngestActors(bad_records=BadRecordLedgerActor.remote(), passed_over=PassedOverShardsActor.remote())
+    evaluator = OnlineEvaluator.remote(cfg, mlflow_uri, run_id) if cfg.eval.enabled else None
     train_shards = shards.list_shards(data.train_uri, data.format, data.endpoint_url)
     resources, datasets = _datasets(cfg, actors, train_shards)
     storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
@@ -128,6 +131,7 @@ def _train(
         actors,
         fault,
         trained_rows_dir,
+        evaluator,
     )
     trainer = TorchTrainer(
         train_loop,
@@ -156,7 +160,18 @@ def _train(
         if stall is not None:
             raise DataStallError(str(stall.args[0] if stall.args else stall)) from None
         raise
-    return _finish(cfg, mlflow_uri, run_id, run_dir, ray.get(actors.bad_records.get.remote()), driver)
+    online = _online_results(cfg, evaluator, driver)
+    return _finish(cfg, mlflow_uri, run_id, run_dir, ray.get(actors.bad_records.get.remote()), driver, online)
+
+
+def _online_results(cfg: RunConfig, evaluator, driver: progress.Reporter) -> list[dict]:
+    """The online evaluations, once the last has finished (at most eval.timeout_s from now)."""
+    if evaluator is None:
+        return []
+    driver.note("waiting for the online evaluations of the last checkpoints")
+    results = ray.get(evaluator.results.remote(cfg.eval.timeout_s))
+    driver.note(online_eval.summary_line(results), warning=any("error" in r for r in results))
+    return results
 
 
 def _datasets(cfg: RunConfig, actors: IngestActors, train_shards: list[str]) -> tuple[IngestResources, dict]:
@@ -164,7 +179,8 @@ def _datasets(cfg: RunConfig, actors: IngestActors, train_shards: list[str]) -> 
     workers) and val (a few batches, materialised) datasets."""
     data, size = cfg.data, image_size(cfg)
     ray.data.DataContext.get_current().enable_operator_progress_bars = False  # one bar per dataset
-    training_cpus = cfg.train.num_workers * cfg.train.cpus_per_worker
+    # the training workers' CPUs, and room for one online evaluation at a time
+    training_cpus = cfg.train.num_workers * cfg.train.cpus_per_worker + (cfg.eval.cpus if cfg.eval.enabled else 0.0)
     cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
     resources = ingest_resources(
         cluster_cpus,
@@ -207,7 +223,13 @@ def _datasets(cfg: RunConfig, actors: IngestActors, train_shards: list[str]) -> 
 
 
 def _finish(
-    cfg: RunConfig, mlflow_uri: str, run_id: str, run_dir: str, bad_records: dict, driver: progress.Reporter
+    cfg: RunConfig,
+    mlflow_uri: str,
+    run_id: str,
+    run_dir: str,
+    bad_records: dict,
+    driver: progress.Reporter,
+    online: list[dict],
 ) -> TrainSummary:
     """The bad-record counts said and logged, the MLflow run closed, and where the run ended."""
     if bad_records:
@@ -225,5 +247,5 @@ def _finish(
     tracking.finish_run(mlflow_uri, run_id)
     final = ckpt.checkpoint_dir(run_dir, cfg.train.steps)
     return TrainSummary(
-        cfg.name, run_id, final, ckpt.read_trainer_state(final, cfg.data.endpoint_url)["metrics"], bad_records
+        cfg.name, run_id, final, ckpt.read_trainer_state(final, cfg.data.endpoint_url)["metrics"], bad_records, online
     )

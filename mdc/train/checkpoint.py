@@ -289,6 +289,13 @@ def fetch_checkpoint(uri: str | Path, endpoint_url: str | None = None, cache_dir
     return local
 
 
+def read_weights(uri: str, endpoint_url: str | None = None) -> dict[str, torch.Tensor]:
+    """The exported weights of checkpoint `uri` in memory (of an s3:// one only the weights file
+    and config are downloaded, into a folder removed afterwards)."""
+    with tempfile.TemporaryDirectory() as cache:
+        return load_file(str(fetch_checkpoint(uri, endpoint_url, cache) / WEIGHTS))
+
+
 def load_pretrained(
     directory: str | Path, device: str = "cpu", endpoint_url: str | None = None, cache_dir: str | Path | None = None
 ):

@@ -31,3 +31,4 @@ class WorkerArgs:
     actors: IngestActors | None  # None: no ingest actors (a run outside Ray Data, e.g. a test)
     fault: Fault | None = None  # tests: stop a worker once
     trained_rows_dir: str | None = None  # tests: where each rank writes the rows it trained on
+    online_evaluator: Any = None  # online_eval.OnlineEvaluator when eval.probe_every / compositionality_every

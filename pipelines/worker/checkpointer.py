@@ -28,7 +28,13 @@ class Checkpointer:
         self.background = ckpt.Background() if cfg.train.async_checkpoint else None  # collective
 
     def due(self, step: int) -> bool:
-        return step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.steps
+        """Every train.checkpoint_every steps, the last step, and each step evaluated online."""
+        return step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.steps or self.exports(step)
+
+    def exports(self, step: int) -> bool:
+        """Checkpoints that also carry the full weights: the last (for evaluation) and those
+        evaluated online."""
+        return step == self.cfg.train.steps or bool(self.cfg.eval.due(step))
 
     def restore(self) -> tuple[str | None, dict | None, dict]:
         """Collective. (uri, trainer state, this rank's extra state) of the newest complete
@@ -60,20 +66,20 @@ class Checkpointer:
         """Collective. Each rank stages its DCP shard locally and copies it into the run's storage;
         then rank 0 marks the checkpoint complete and deletes the ones no longer kept. In the
         background, training resumes once the shards are staged, and the copy and commit finish in
-        a thread. The last checkpoint, finished before returning, also carries the exported full
-        weights for evaluation."""
+        a thread. The last checkpoint, finished before returning, and those evaluated online also
+        carry the exported full weights."""
         step = trainer_state["step"]
         uri, final = ckpt.checkpoint_dir(self.run_dir, step), step == self.cfg.train.steps
         model, _, _, ema = self.parts
         if self.background is not None:
             self.background.wait()  # one checkpoint in flight at a time
-        weights = ckpt.full_weights(model, ema) if final else None  # collective: every rank calls
+        weights = ckpt.full_weights(model, ema) if self.exports(step) else None  # collective: every rank calls
         if self.rank == 0:
             ckpt.remove(uri, self.endpoint)  # what an interrupted attempt at this step left
         dist.barrier()
         directory = tempfile.mkdtemp(prefix="mdc-checkpoint-")
         ckpt.stage_training_state(directory, *self.parts, trainer_state, extra_state, self.rank)
-        if final and self.rank == 0:
+        if weights is not None and self.rank == 0:
             ckpt.export_weights(directory, weights, dump_config(self.cfg))
         if self.background is None:
             self._finish(directory, uri, step)

@@ -14,6 +14,7 @@ from mdc.registry import build_model
 from mdc.train.fsdp import prepare_model
 from mdc.train.step import EMA, build_optimizer, build_scheduler, device_step
 from pipelines.ingest import BatchFeed, describe_stall
+from pipelines.online_eval import OnlineEvaluation
 from pipelines.worker.args import WorkerArgs
 from pipelines.worker.callbacks import RowRecorder
 from pipelines.worker.checkpointer import Checkpointer
@@ -53,7 +54,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim.warmup_steps, tc.steps)
         self.ema = EMA(self.model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
-        self.callbacks = [c for c in (args.fault, args.trained_rows_dir and RowRecorder(args.trained_rows_dir)) if c]
+        online = args.online_evaluator and OnlineEvaluation(cfg, args.run_dir, args.online_evaluator)
+        self.callbacks = [
+            c for c in (args.fault, args.trained_rows_dir and RowRecorder(args.trained_rows_dir), online) if c
+        ]
         self.checkpointer = Checkpointer(
             cfg, args.run_dir, self.rank, self.model, self.optimizer, self.scheduler, self.ema, self.callbacks
         )

@@ -1,0 +1,122 @@
+"""What the encoder has learned, during training: the linear probe and the Monte Carlo
+compositionality scores of the model at `eval.probe_every` / `eval.compositionality_every` steps.
+
+The training workers never wait for it. Those steps write a checkpoint with the exported weights
+(`Checkpointer`); once it is complete, rank 0 hands its location to the run's `OnlineEvaluator`
+actor (`OnlineEvaluation`, a worker callback) and trains on. The actor reads the weights into
+Ray's object store at once — so a checkpoint pruned later loses nothing — and starts one Ray task
+per checkpoint with the resources `eval.cpus` / `eval.gpus` ask for; each task logs its figures to
+the run's MLflow run at the checkpoint's step. The driver waits for the last ones after training
+(`eval.timeout_s`) and says what they found.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+import torch
+
+from mdc.config import RunConfig
+from mdc.data.tokenizer import CaptionTokenizer
+from mdc.evaluation import compositionality, probe
+from mdc.registry import build_model
+from mdc.train import checkpoint as ckpt
+from pipelines import tracking
+from pipelines.worker.callbacks import Callback
+
+PROBE_KEY = "online/probe_accuracy"  # reports.ONLINE_CURVES draws it and the macro average
+COMPOSITIONALITY_PREFIX = "online/compositionality/"
+
+
+def evaluate_weights(cfg: RunConfig, weights: dict, which: tuple[str, ...], threads: int) -> dict[str, float]:
+    """The online figures of one checkpoint's weights: `online/probe_accuracy` and, per
+    compositionality subset, `online/compositionality/BENCHMARK/SUBSET` (plus the macro average)."""
+    torch.set_num_threads(max(1, threads))
+    model = build_model(cfg, CaptionTokenizer)
+    model.load_state_dict(weights)
+    model.eval()
+    ev, out = cfg.eval, {}
+    if "probe" in which:
+        out[PROBE_KEY] = probe.probe_shapes(model, ev.data_uri, cfg.data.endpoint_url)["accuracy"]
+    if "compositionality" in which:
+        result = compositionality.evaluate_shapes(
+            model,
+            cfg.objective.name,
+            ev.data_uri,
+            cfg.data.endpoint_url,
+            samples=ev.samples,
+            limit=ev.limit,
+            seed=cfg.train.seed,
+        )
+        out.update({COMPOSITIONALITY_PREFIX + subset: acc for subset, acc in result["accuracy"].items()})
+        out[COMPOSITIONALITY_PREFIX + "macro"] = result["macro_accuracy"]
+    return out
+
+
+@ray.remote(max_retries=1)
+def _evaluate_task(cfg: RunConfig, weights: dict, step: int, which: tuple[str, ...], mlflow_uri: str, run_id: str):
+    tic = time.perf_counter()
+    metrics = evaluate_weights(cfg, weights, which, int(cfg.eval.cpus) or 1)
+    tracking.log_metrics(mlflow_uri, run_id, metrics, step)
+    return {"step": step, "seconds": time.perf_counter() - tic, **metrics}
+
+
+class OnlineEvaluatorState:
+    """The run's pending and finished online evaluations (one Ray actor per run, made by the driver)."""
+
+    def __init__(self, cfg: RunConfig, mlflow_uri: str, run_id: str):
+        self.cfg, self.mlflow_uri, self.run_id = cfg, mlflow_uri, run_id
+        self.pending: dict[int, ray.ObjectRef] = {}
+
+    def submit(self, step: int, checkpoint_uri: str) -> None:
+        """Read the checkpoint's exported weights now and evaluate them in a task of their own. A
+        step evaluated before (a worker group that retried past it) is not evaluated again."""
+        if step in self.pending:
+            return
+        weights = ckpt.read_weights(checkpoint_uri, self.cfg.data.endpoint_url)
+        ev = self.cfg.eval
+        task = _evaluate_task.options(num_cpus=ev.cpus, num_gpus=ev.gpus)
+        self.pending[step] = task.remote(self.cfg, ray.put(weights), step, ev.due(step), self.mlflow_uri, self.run_id)
+
+    def results(self, timeout_s: float) -> list[dict]:
+        """Every evaluation's figures by step; one that failed or did not finish in `timeout_s`
+        is an entry with its `error`."""
+        deadline, out = time.monotonic() + timeout_s, []
+        for step, ref in sorted(self.pending.items()):
+            try:
+                out.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except ray.exceptions.GetTimeoutError:
+                out.append({"step": step, "error": f"not finished within eval.timeout_s = {timeout_s:g} s"})
+            except ray.exceptions.RayError as err:
+                out.append({"step": step, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"})
+        return out
+
+
+OnlineEvaluator = ray.remote(num_cpus=0)(OnlineEvaluatorState)
+
+
+class OnlineEvaluation(Callback):
+    """Rank 0 hands each complete checkpoint that is due for evaluation to the run's evaluator,
+    without waiting for an answer."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str, evaluator):
+        self.cfg, self.run_dir, self.evaluator = cfg, run_dir, evaluator
+
+    def checkpoint(self, step: int, rank: int, at: str) -> None:
+        if rank == 0 and at == "committed" and self.cfg.eval.due(step):
+            self.evaluator.submit.remote(step, ckpt.checkpoint_dir(self.run_dir, step))
+
+
+def summary_line(results: list[dict]) -> str:
+    """One line for the console: each step's probe and macro compositionality, or its error."""
+
+    def one(r: dict) -> str:
+        if "error" in r:
+            return f"step {r['step']}: {r['error']}"
+        figures = [f"probe {r[PROBE_KEY]:.3f}" if PROBE_KEY in r else ""]
+        macro = r.get(COMPOSITIONALITY_PREFIX + "macro")
+        figures.append(f"compositionality {macro:.3f}" if macro is not None else "")
+        return f"step {r['step']}: " + ", ".join(f for f in figures if f)
+
+    return "online evaluation — " + "; ".join(one(r) for r in results)

@@ -1,0 +1,120 @@
+"""Evaluation during training (pipelines/online_eval.py): which steps are evaluated, that an
+evaluation reads the checkpoint's own weights, that rank 0 hands checkpoints over without waiting,
+and a run that logs the probe and the compositionality scores against step in MLflow."""
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from mdc.config import ConfigError, load_config
+from mdc.evaluation import probe
+from pipelines import online_eval
+from pipelines.worker.checkpointer import Checkpointer
+
+
+def config(*overrides):
+    return load_config(None, ["data.max_length=16", "train.steps=50", "train.checkpoint_every=20", *overrides])
+
+
+def test_online_steps_are_checkpoint_steps_that_carry_the_weights():
+    cfg = config("eval.probe_every=15", "eval.compositionality_every=30", "eval.data_uri=held-out")
+    assert [cfg.eval.due(s) for s in (15, 20, 30, 45)] == [("probe",), (), ("probe", "compositionality"), ("probe",)]
+    saver = Checkpointer.__new__(Checkpointer)
+    saver.cfg = cfg
+    assert [s for s in range(1, 51) if saver.due(s)] == [15, 20, 30, 40, 45, 50]
+    assert [s for s in range(1, 51) if saver.exports(s)] == [15, 30, 45, 50]  # the last for evaluation
+    with pytest.raises(ConfigError, match="need eval.data_uri"):
+        config("eval.probe_every=15")
+
+
+class Recorder:
+    """Stands in for the evaluator actor: records what `submit.remote` was called with."""
+
+    def __init__(self):
+        self.calls = []
+        self.submit = self
+
+    def remote(self, *args):
+        self.calls.append(args)
+
+
+def test_rank0_hands_over_each_due_checkpoint_once_it_is_complete():
+    evaluator = Recorder()
+    callback = online_eval.OnlineEvaluation(config("eval.probe_every=20", "eval.data_uri=d"), "/runs/r", evaluator)
+    for step in (20, 40):
+        for rank in (0, 1):
+            for at in ("shard_written", "committed"):
+                callback.checkpoint(step, rank, at)
+    callback.checkpoint(50, 0, "committed")  # the last checkpoint, not an online step
+    assert evaluator.calls == [(20, "/runs/r/checkpoint_00000020"), (40, "/runs/r/checkpoint_00000040")]
+
+
+def test_an_evaluation_scores_the_checkpoints_own_weights(shapes_dir, monkeypatch):
+    cfg = config("eval.probe_every=20", "eval.compositionality_every=20", f"eval.data_uri={shapes_dir}", "eval.limit=8")
+    trained, probed, probe_shapes = probe.random_init(cfg, seed=7), [], probe.probe_shapes  # weights no fresh build has
+    monkeypatch.setattr(
+        probe, "probe_shapes", lambda model, *a, **k: probed.append(model) or probe_shapes(model, *a, **k)
+    )
+    figures = online_eval.evaluate_weights(cfg, trained.state_dict(), ("probe", "compositionality"), threads=1)
+    (model,) = probed
+    assert not model.training
+    for (name, value), expected in zip(model.state_dict().items(), trained.state_dict().values()):
+        assert torch.equal(value, expected), name
+    assert figures[online_eval.PROBE_KEY] == probe_shapes(trained, str(shapes_dir))["accuracy"]
+    subsets = [k for k in figures if k.startswith(online_eval.COMPOSITIONALITY_PREFIX)]
+    assert online_eval.COMPOSITIONALITY_PREFIX + "macro" in subsets and len(subsets) >= 3
+    assert all(0.0 <= figures[k] <= 1.0 for k in subsets)
+
+
+def test_the_summary_line_names_each_step_and_its_error():
+    line = online_eval.summary_line(
+        [
+            {"step": 10, online_eval.PROBE_KEY: 0.5},
+            {"step": 20, online_eval.PROBE_KEY: 0.625, online_eval.COMPOSITIONALITY_PREFIX + "macro": 0.75},
+            {"step": 30, "error": "not finished within eval.timeout_s = 5 s"},
+        ]
+    )
+    assert line == (
+        "online evaluation — step 10: probe 0.500; step 20: probe 0.625, compositionality 0.750; "
+        "step 30: not finished within eval.timeout_s = 5 s"
+    )
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(420)
+def test_a_run_logs_the_probe_and_compositionality_against_step(ray_cluster, shapes_dir, tmp_path):
+    from pipelines.train import run_training
+
+    cfg = load_config(
+        None,
+        [
+            "name=online",
+            f"storage_uri={tmp_path / 'ckpt'}",
+            f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"data.train_uri={shapes_dir / 'train'}",
+            "data.val_uri=null",
+            "data.max_length=16",
+            "train.batch_size=8",
+            "train.steps=20",
+            "train.checkpoint_every=100",
+            "train.log_every=10",
+            "optim.warmup_steps=5",
+            "eval.probe_every=10",
+            "eval.compositionality_every=20",
+            f"eval.data_uri={shapes_dir}",
+            "eval.limit=8",
+            "eval.samples=2",
+            "eval.cpus=0.25",
+            "eval.timeout_s=240",
+        ],
+    )
+    summary = run_training(cfg)
+    client = MlflowClient(cfg.mlflow_uri)
+    history = {
+        key: sorted(m.step for m in client.get_metric_history(summary.mlflow_run_id, key))
+        for key in (online_eval.PROBE_KEY, online_eval.COMPOSITIONALITY_PREFIX + "macro")
+    }
+    assert history == {online_eval.PROBE_KEY: [10, 20], online_eval.COMPOSITIONALITY_PREFIX + "macro": [20]}
+    assert [r["step"] for r in summary.online] == [10, 20] and not any("error" in r for r in summary.online)
+    artifacts = [a.path for a in client.list_artifacts(summary.mlflow_run_id, "report")]
+    assert "report/online.png" in artifacts
