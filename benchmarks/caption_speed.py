@@ -11,7 +11,8 @@ untimed warm-up, on `--threads` threads.
     python -m benchmarks.caption_speed            # ~6 min on 2 CPU cores
     python -m benchmarks.caption_speed --steps 600 --out runs/caption-speed
 
-Writes `result.json`, `caption_speed.png` (the curve) and `table.md` under `--out`, and prints the
+Writes `result.json`, `caption_speed.png` (the curve), `table.md` and the two exported checkpoints
+(`checkpoints/mdc`, `checkpoints/ar`, for `mdc eval captions`) under `--out`, and prints the
 fastest MDC setting within `--tolerance` CIDEr-D of full-step MDC, with its ratio to AR.
 """
 
@@ -25,14 +26,14 @@ from pathlib import Path
 
 import torch
 
-from mdc.config import ObjectiveConfig, OptimConfig
+from mdc.config import OptimConfig, dump_config, load_config
 from mdc.data.shapes import generate_shapes
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.evaluation.captioning import caption_metrics
 from mdc.evaluation.probe import preprocess
-from mdc.models.captioner import Captioner
-from mdc.registry import write_captions
+from mdc.registry import build_model, write_captions
 from mdc.sampling import Decoding
+from mdc.train.checkpoint import export_weights
 from mdc.train.step import build_optimizer, build_scheduler, train_step
 
 IMAGE_SIZE, MAX_LENGTH = 32, 16
@@ -45,26 +46,24 @@ def settings(length: int) -> list[Decoding]:
     return [Decoding(), *few, *(Decoding(threshold=p) for p in (0.9, 0.7, 0.5))]
 
 
-def train(objective: str, images: torch.Tensor, tokens: torch.Tensor, steps: int, batch: int) -> Captioner:
-    """MDC with DDCap's length head (its loss is added), so it can also write at its predicted N'."""
+def train(objective: str, images: torch.Tensor, tokens: torch.Tensor, steps: int, batch: int):
+    """(model, config); MDC with DDCap's length head (its loss is added), so it can also write at
+    its predicted N'."""
+    cfg = load_config(
+        None,
+        [f"objective.name={objective}", f"data.max_length={MAX_LENGTH}", f"model.predict_length={objective == 'mdc'}"],
+    )
     torch.manual_seed(0)
-    model = Captioner("tiny", max_length=MAX_LENGTH, predict_length=objective == "mdc")
+    model = build_model(cfg, CaptionTokenizer)
     optimizer = build_optimizer(model, OptimConfig(lr=2e-3, weight_decay=0.0))
     scheduler = build_scheduler(optimizer, warmup=20, total=steps)
     generator, order = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
     for _ in range(steps):
         rows = torch.randint(0, len(images), (batch,), generator=order)
         train_step(
-            model,
-            optimizer,
-            scheduler,
-            images[rows],
-            tokens[rows],
-            ObjectiveConfig(name=objective),
-            grad_clip=1.0,
-            generator=generator,
+            model, optimizer, scheduler, images[rows], tokens[rows], cfg.objective, grad_clip=1.0, generator=generator
         )
-    return model.eval()
+    return model.eval(), cfg
 
 
 def timed(write, count: int, batch: int, repeats: int) -> tuple[float, list]:
@@ -173,8 +172,11 @@ def main() -> None:
     lengths = (torch.from_numpy(tokenizer.encode([r.caption for r in held_out])) != tokenizer.pad_id).sum(1)
     length = int(lengths.median())  # N' for MDC: the held-out captions' median length
     tic = time.perf_counter()
-    models = {name: train(name, images, tokens, args.steps, args.batch) for name in ("mdc", "ar")}
+    trained = {name: train(name, images, tokens, args.steps, args.batch) for name in ("mdc", "ar")}
     print(f"trained MDC and AR, {args.steps} steps each, in {time.perf_counter() - tic:.0f} s; N' = {length}")
+    for name, (model, cfg) in trained.items():  # the pair, for `mdc eval captions --checkpoint`
+        export_weights(args.out / "checkpoints" / name, model.state_dict(), dump_config(cfg))
+    models = {name: model for name, (model, _) in trained.items()}
     mdc, ar, count = models["mdc"], models["ar"], len(held_out)
     runs = [
         (d.label(), True, lambda i, j, d=d: write_captions(mdc, eval_images[i:j], "mdc", length, d))

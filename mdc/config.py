@@ -157,7 +157,7 @@ class EvalConfig(_Section):
     )
     samples: int = Field(8, ge=1, description="Monte Carlo draws per caption (compositionality)")
     limit: int | None = Field(200, ge=1, description="compositionality items per subset")
-    cpus: float = Field(1.0, ge=0.0, description="CPUs each evaluation task asks Ray for")
+    cpus: float = Field(0.5, ge=0.0, description="CPUs each evaluation task asks Ray for (kept free of ingest)")
     gpus: float = Field(0.0, ge=0.0, description="GPUs each evaluation task asks Ray for")
     timeout_s: float = Field(1800.0, gt=0.0, description="how long the driver waits for the last evaluations")
 

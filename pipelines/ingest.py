@@ -52,18 +52,24 @@ class IngestResources:
 
 
 def ingest_resources(
-    cluster_cpus: float, training_cpus: float, override: float | None = None, held_cpus: float = 0.0
+    cluster_cpus: float,
+    training_cpus: float,
+    override: float | None = None,
+    held_cpus: float = 0.0,
+    eval_cpus: float = 0.0,
 ) -> IngestResources:
     """Ingest gets what the training workers leave (or `override`, data.ingest_cpus), as one
     reader per whole CPU of it, none asking for more than one CPU: a 2-CPU machine runs one 1-CPU
     reader beside two 0.5-CPU workers and a 64-CPU node runs 56 beside 8 one-CPU workers. CPUs
     that others hold when the run starts (`held_cpus`, e.g. the 0.05 of a Tune trial's own driver)
-    are left to them, and requests are rounded down to 0.01 CPU, so a reader always fits."""
-    budget = override if override is not None else cluster_cpus - training_cpus
+    are left to them, and requests are rounded down to 0.01 CPU, so a reader always fits.
+    `eval_cpus` are kept for one online evaluation at a time (eval.cpus)."""
+    budget = override if override is not None else cluster_cpus - training_cpus - eval_cpus
     if budget <= 0:
+        evaluation = f" and online evaluation {eval_cpus:g} (eval.cpus)" if eval_cpus else ""
         raise ConfigError(
-            f"no CPU left for data ingest: the cluster has {cluster_cpus:g} CPUs and the "
-            f"training workers hold {training_cpus:g}; lower train.cpus_per_worker or set data.ingest_cpus"
+            f"no CPU left for data ingest: the cluster has {cluster_cpus:g} CPUs and the training workers "
+            f"hold {training_cpus:g}{evaluation}; lower train.cpus_per_worker or set data.ingest_cpus"
         )
     usable = budget - held_cpus if budget - held_cpus >= 0.01 else budget  # a holder about to leave waits
     readers = max(1, int(usable + 1e-9))

@@ -179,14 +179,14 @@ def _datasets(cfg: RunConfig, actors: IngestActors, train_shards: list[str]) -> 
     workers) and val (a few batches, materialised) datasets."""
     data, size = cfg.data, image_size(cfg)
     ray.data.DataContext.get_current().enable_operator_progress_bars = False  # one bar per dataset
-    # the training workers' CPUs, and room for one online evaluation at a time
-    training_cpus = cfg.train.num_workers * cfg.train.cpus_per_worker + (cfg.eval.cpus if cfg.eval.enabled else 0.0)
+    training_cpus = cfg.train.num_workers * cfg.train.cpus_per_worker
     cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
     resources = ingest_resources(
         cluster_cpus,
         training_cpus,
         data.ingest_cpus,
         held_cpus=cluster_cpus - ray.available_resources().get("CPU", 0.0),
+        eval_cpus=cfg.eval.cpus if cfg.eval.enabled else 0.0,
     )
     datasets = {
         "train": build_dataset(

@@ -623,3 +623,37 @@ def test_zeroshot_and_captions_run_on_the_trained_model(trained, shapes_data):
     assert captions["lengths"]["8"]["captions_per_s"] > 0 and len(captions["captions"]) == 8
     page = reports.captions_html(images, captions)
     assert page.count("data:image/png;base64,") == 8 and "BLEU-4" in page
+
+
+def test_caption_lengths_fixed_predicted_and_the_reference_oracle(monkeypatch):
+    """`reference` is each image's median reference length in tokens; `predicted` is the length
+    head's; models that write at a fixed length list both as skipped."""
+    from mdc.config import load_config
+    from mdc.data.tokenizer import CaptionTokenizer
+    from mdc.registry import build_model
+
+    refs = [["a red circle", "a small red circle", "a big red circle above a square"], ["a square"]]
+    images = [captioning.CaptionImage(f"k{i}", png((30 * i, 0, 0), 32), r) for i, r in enumerate(refs)]
+    tok = CaptionTokenizer(16)
+    counts = [sorted((tok.encode(r) != tok.pad_id).sum(1).tolist()) for r in refs]
+    assert counts == [[3, 4, 7], [2]]  # medians 4 and 2
+    pixels = torch.zeros(2, 3, 32, 32)
+    torch.manual_seed(0)
+    plain = build_model(load_config(None, ["data.max_length=16"]), CaptionTokenizer).eval()
+    assert captioning.caption_lengths(plain, "mdc", images, "reference", tok, pixels).tolist() == [4, 2]
+    assert captioning.caption_lengths(plain, "mdc", images, 10, tok, pixels) == 10
+    with pytest.raises(ValueError, match="needs a model trained with a length head"):
+        captioning.caption_lengths(plain, "mdc", images, "predicted", tok, pixels)
+    headed = build_model(load_config(None, ["data.max_length=16", "model.predict_length=true"]), CaptionTokenizer)
+    assert captioning.caption_lengths(headed.eval(), "mdc", images, "predicted", tok, pixels) is None
+
+    asked, write = [], captioning.registry.write_captions
+    monkeypatch.setattr(
+        captioning.registry, "write_captions", lambda m, x, o, n, d: asked.append(n) or write(m, x, o, n, d)
+    )
+    result = captioning.evaluate_captions(plain, "mdc", images, lengths=(6, "reference", 20), batch_size=2)
+    assert asked[0] == 6 and asked[1].tolist() == [4, 2]  # each image written at its own N'
+    assert list(result["lengths"]) == ["6", "reference"] and result["skipped_lengths"] == [20]
+    ar = build_model(load_config(None, ["data.max_length=16", "objective.name=ar"]), CaptionTokenizer).eval()
+    result = captioning.evaluate_captions(ar, "ar", images, lengths=(6, "predicted", "reference"), batch_size=2)
+    assert list(result["lengths"]) == ["6"] and result["skipped_lengths"] == ["predicted", "reference"]

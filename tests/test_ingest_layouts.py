@@ -168,6 +168,10 @@ def test_ingest_budget_is_what_training_leaves():
     assert ingest_resources(2, 1, held_cpus=1.0).cpus_per_reader == 1.0  # a holder about to leave: waited for
     with pytest.raises(ValueError, match="cluster has 2 CPUs and the training workers hold 2"):
         ingest_resources(2, 2)
+    # one online evaluation at a time keeps its CPUs free of readers
+    assert ingest_resources(2, 1, eval_cpus=0.5).cpus_per_reader == 0.5
+    with pytest.raises(ValueError, match=r"hold 1 and online evaluation 1 \(eval.cpus\)"):
+        ingest_resources(2, 1, eval_cpus=1.0)
 
 
 def test_stall_guard_passes_batches_and_errors_through():

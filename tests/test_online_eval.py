@@ -104,7 +104,7 @@ def test_a_run_logs_the_probe_and_compositionality_against_step(ray_cluster, sha
             f"eval.data_uri={shapes_dir}",
             "eval.limit=8",
             "eval.samples=2",
-            "eval.cpus=0.25",
+            "eval.cpus=0.25",  # ingest keeps 0.75 of the 2 CPUs
             "eval.timeout_s=240",
         ],
     )

@@ -295,10 +295,16 @@ def captions_command(
             "checkpoint": checkpoint,
             **captioning.evaluate_captions(model, cfg.objective.name, images, sizes, decoding, batch_size),
         }
-        if result["skipped_lengths"]:
+        skipped = result["skipped_lengths"]
+        too_long = [n for n in skipped if n not in captioning.LENGTH_CHOICES]
+        if too_long:
             console.print(
-                f"[yellow]skipped lengths {result['skipped_lengths']}: above the model's max_length "
-                f"{cfg.data.max_length}, or a length a {cfg.objective.name!r} model does not choose[/yellow]"
+                f"[yellow]skipped lengths {too_long}: above the model's max_length {cfg.data.max_length}[/yellow]"
+            )
+        if len(too_long) < len(skipped):
+            console.print(
+                f"[yellow]skipped {[n for n in skipped if n in captioning.LENGTH_CHOICES]}: a {cfg.objective.name!r} "
+                "model writes at a fixed length (autoregressive ones stop at EOS)[/yellow]"
             )
     html = html or out.with_name("report.html")
     html.parent.mkdir(parents=True, exist_ok=True)
