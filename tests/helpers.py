@@ -1,7 +1,9 @@
 """Stand-ins shared by several test files: one helper per idea."""
 
 import socket
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,3 +36,83 @@ class ConstantNLL(nn.Module):
 
     def decode(self, tokens, image_kv, t=None, where=None):
         return torch.zeros(int(where.sum()), self.vocab)
+
+
+class LocalSession:
+    """Ray Train's side of the worker's `Trainer`, in this process: one rank, CPU, `steps` batches
+    of `batch` random 32-px images (with `same_images`, one batch repeated)."""
+
+    rank, world_size, device = 0, 1, torch.device("cpu")
+
+    def __init__(self, steps: int, batch: int = 4, same_images: bool = False):
+        from mdc.data.tokenizer import CaptionTokenizer
+
+        self.reports = []
+        tokens = torch.from_numpy(CaptionTokenizer(16).encode(["a red circle", "a small blue square"] * (batch // 2)))
+        rng = np.random.default_rng(0)
+        images = [torch.from_numpy(rng.integers(0, 255, (batch, 3, 32, 32), dtype=np.uint8)) for _ in range(steps)]
+        self.batches = [
+            {
+                "image": images[0 if same_images else i],
+                "tokens": tokens,
+                "shard": torch.full((batch,), i % 2),
+                "row": torch.arange(batch),
+                "shard_rows": torch.zeros(batch, dtype=torch.int64),
+            }
+            for i in range(steps)
+        ]
+
+    def train_batches(self, epoch):
+        return iter(self.batches)
+
+    def val_batches(self):
+        return []
+
+    def report(self, metrics):
+        self.reports.append(metrics)
+
+
+def local_trainer(tmp_path, steps: int, log_every: int, *overrides: str, same_images: bool = False):
+    """The real worker `Trainer` on a `LocalSession` (needs a one-process gloo group), writing
+    checkpoints and MLflow under `tmp_path`; `trainer.events` are its progress events."""
+    from mdc.config import load_config
+    from pipelines import tracking
+    from pipelines.ingest import IngestResources
+    from pipelines.worker.args import WorkerArgs
+    from pipelines.worker.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.image_size=32",
+            "data.max_length=16",
+            "train.batch_size=4",
+            "train.num_workers=1",
+            f"train.steps={steps}",
+            f"train.log_every={log_every}",
+            "train.checkpoint_every=100",
+            "optim.warmup_steps=2",
+            f"data.train_uri={tmp_path}",
+            "data.val_uri=null",
+            f"storage_uri={tmp_path / 'ckpt'}",
+            f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            *overrides,
+        ],
+    )
+    run_id = tracking.get_or_create_run(cfg.mlflow_uri, cfg.experiment, cfg.name, {})
+    events = []
+    args = WorkerArgs(
+        cfg,
+        str(tmp_path / "ckpt" / cfg.name),
+        cfg.mlflow_uri,
+        run_id,
+        SimpleNamespace(push=SimpleNamespace(remote=events.append)),
+        IngestResources(1.0, 1.0, 1),
+        "shards",
+        2,
+        actors=None,
+    )
+    trainer = Trainer(args, LocalSession(steps, same_images=same_images))
+    trainer.events = events
+    return trainer

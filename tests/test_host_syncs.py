@@ -7,20 +7,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import local_trainer
 from mlflow.tracking import MlflowClient
-
-from mdc.config import load_config
-from mdc.data.tokenizer import CaptionTokenizer
-from pipelines import tracking
-from pipelines.ingest import IngestResources
-from pipelines.worker.args import WorkerArgs
-from pipelines.worker.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,37 +30,7 @@ COLLECTIVES = (
     "gather",
     "scatter",
 )
-STEPS, LOG_EVERY, BATCH, SIZE = 7, 3, 4, 32
-
-
-class LocalSession:
-    """Ray Train's side of the trainer, in this process: one rank, CPU, a list of batches."""
-
-    rank, world_size, device = 0, 1, torch.device("cpu")
-
-    def __init__(self):
-        self.reports = []
-        tokens = torch.from_numpy(CaptionTokenizer(16).encode(["a red circle", "a small blue square"] * 2))
-        rng = np.random.default_rng(0)
-        self.batches = [
-            {
-                "image": torch.from_numpy(rng.integers(0, 255, (BATCH, 3, SIZE, SIZE), dtype=np.uint8)),
-                "tokens": tokens,
-                "shard": torch.full((BATCH,), i % 2),
-                "row": torch.arange(BATCH),
-                "shard_rows": torch.zeros(BATCH, dtype=torch.int64),
-            }
-            for i in range(STEPS)
-        ]
-
-    def train_batches(self, epoch):
-        return iter(self.batches)
-
-    def val_batches(self):
-        return []
-
-    def report(self, metrics):
-        self.reports.append(metrics)
+STEPS, LOG_EVERY = 7, 3
 
 
 class Counter:
@@ -89,40 +51,7 @@ class Counter:
 
 @pytest.fixture
 def trainer(gloo_process_group, tmp_path):
-    cfg = load_config(
-        None,
-        [
-            "model.preset=tiny",
-            f"model.image_size={SIZE}",
-            "data.max_length=16",
-            f"train.batch_size={BATCH}",
-            "train.num_workers=1",
-            f"train.steps={STEPS}",
-            f"train.log_every={LOG_EVERY}",
-            "train.checkpoint_every=100",
-            "optim.warmup_steps=2",
-            f"data.train_uri={tmp_path}",
-            "data.val_uri=null",
-            f"storage_uri={tmp_path / 'ckpt'}",
-            f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-        ],
-    )
-    run_id = tracking.get_or_create_run(cfg.mlflow_uri, cfg.experiment, cfg.name, {})
-    events = []
-    args = WorkerArgs(
-        cfg,
-        str(tmp_path / "ckpt" / cfg.name),
-        cfg.mlflow_uri,
-        run_id,
-        SimpleNamespace(push=SimpleNamespace(remote=events.append)),
-        IngestResources(1.0, 1.0, 1),
-        "shards",
-        2,
-        actors=None,
-    )
-    trainer = Trainer(args, LocalSession())
-    trainer.events = events
-    return trainer
+    return local_trainer(tmp_path, STEPS, LOG_EVERY)
 
 
 def test_no_host_sync_nor_collective_on_steps_that_do_not_log(trainer, monkeypatch):
