@@ -9,6 +9,8 @@ from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
 from mdc.config import ConfigError, RunConfig, load_config
+from mdc.evaluation.probe import probe_shapes
+from mdc.train.checkpoint import load_pretrained
 from pipelines.cli import app
 from pipelines.search_space import load_space
 
@@ -149,7 +151,10 @@ def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path, monk
         (0.002, False),
     ], summary.rows
     finished = [c for c in children if "probe_accuracy" in c.data.metrics]
-    assert finished and all(0.0 <= c.data.metrics["probe_accuracy"] <= 1.0 for c in finished)
+    assert len(finished) == 2  # the lr=0.002 trials; each figure is the probe of its own checkpoint
+    for child in finished:
+        model, _ = load_pretrained(child.data.tags["checkpoint"])
+        assert child.data.metrics["probe_accuracy"] == probe_shapes(model, str(shapes_dir))["accuracy"]
     assert all(c.info.status in ("FINISHED", "KILLED") for c in children), (
         [(c.data.tags.get("mdc.run_name"), c.info.status) for c in children],
         summary.rows,
