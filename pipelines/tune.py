@@ -25,7 +25,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from mdc.config import RunConfig, apply_overrides, build_config
 from mdc.evaluation.probe import probe_shapes
 from mdc.train.checkpoint import load_pretrained
-from pipelines import progress, reports, tracking
+from pipelines import cluster, progress, reports, tracking
 from pipelines.console import console, first_line_of
 from pipelines.runtime import absolute_paths
 from pipelines.search_space import SearchSpace, _copy, to_override_list
@@ -174,10 +174,15 @@ def run_sweep(
     space: SearchSpace,
     base_cfg: RunConfig,
     num_samples: int | None = None,
-    max_concurrent: int = 1,
+    max_concurrent: int | None = None,
     verbose: bool = False,
 ) -> SweepSummary:
+    """The sweep, `max_concurrent` trials at once (default: as many as the cluster's free
+    resources hold, pipelines.cluster.fitting_runs); Ray Tune places them."""
     base_cfg = absolute_paths(base_cfg)
+    if max_concurrent is None:
+        max_concurrent = cluster.fitting_runs([base_cfg])
+        console.print(f"{max_concurrent} trial(s) at once: what the cluster's free resources hold", highlight=False)
     mlflow_uri = tracking.absolute_tracking_uri(base_cfg.mlflow_uri)
     sweep = sweep_name(base_cfg, space)
     parent = tracking.get_or_create_run(
