@@ -96,3 +96,14 @@ def test_pool_raises_the_first_error_and_starts_nothing_after_it():
 
 def test_one_at_a_time_runs_in_this_thread():
     assert cluster.run_all({"a": threading.current_thread}, 1) == {"a": threading.main_thread()}
+
+
+@pytest.mark.parametrize("command", ["study", "compare", "scaling", "tune"])
+def test_every_multi_run_command_takes_max_concurrent_and_refuses_zero(command, ray_forbidden):
+    from typer.testing import CliRunner
+
+    from pipelines.cli import app
+
+    result = CliRunner().invoke(app, [command, "--max-concurrent", "0"])
+    assert result.exit_code == 2 and "--max-concurrent" in result.output, result.output
+    assert "Invalid value for '--max-concurrent'" in " ".join(result.output.split()), result.output
