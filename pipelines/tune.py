@@ -170,6 +170,13 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def trial_count(space: SearchSpace, num_samples: int | None = None) -> int:
+    """Trials a sweep runs: the grid's points times its repeats, or a random space's draws."""
+    if space.search == "grid":
+        return len(space.grid_points()) * space.num_samples
+    return num_samples or space.num_samples
+
+
 def run_sweep(
     space: SearchSpace,
     base_cfg: RunConfig,
@@ -181,7 +188,7 @@ def run_sweep(
     resources hold, pipelines.cluster.fitting_runs); Ray Tune places them."""
     base_cfg = absolute_paths(base_cfg)
     if max_concurrent is None:
-        max_concurrent = cluster.fitting_runs([base_cfg])
+        max_concurrent = cluster.fitting_runs([base_cfg] * trial_count(space, num_samples))
         console.print(f"{max_concurrent} trial(s) at once: what the cluster's free resources hold", highlight=False)
     mlflow_uri = tracking.absolute_tracking_uri(base_cfg.mlflow_uri)
     sweep = sweep_name(base_cfg, space)

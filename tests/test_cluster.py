@@ -237,6 +237,7 @@ def test_sweep_runs_one_trial_per_gpu_node_and_the_cluster_fits_as_many_at_once(
     default concurrency (what fits the free resources) is one trial per GPU node."""
     from pipelines.cluster import fitting_runs
     from pipelines.search_space import load_space
+    from pipelines.tune import trial_count
 
     values = {**TEST_VALUES, "GPU_INSTANCE_TYPE": gpu_type, "GPU_WORKERS": "3"}
     job = by_kind([d for d in yaml.safe_load_all(render((KUBERAY / "rayjob-sweep.yaml").read_text(), values)) if d])
@@ -251,7 +252,7 @@ def test_sweep_runs_one_trial_per_gpu_node_and_the_cluster_fits_as_many_at_once(
         "GPU": 3.0 * int(sizes["GPU_POD_GPUS"]),
         "CPU": 3.0 * int(sizes["GPU_POD_CPU"]) + int(values["CPU_WORKERS"]) * int(sizes["CPU_POD_CPU"]),
     }
-    assert fitting_runs([config] * len(space.grid_points()), free) == 3, gpu_type
+    assert fitting_runs([config] * trial_count(space), free) == 3, gpu_type  # what run_sweep counts
 
 
 # --------------------------------------------------------------------------------------- KubeRay

@@ -107,3 +107,18 @@ def test_every_multi_run_command_takes_max_concurrent_and_refuses_zero(command, 
     result = CliRunner().invoke(app, [command, "--max-concurrent", "0"])
     assert result.exit_code == 2 and "--max-concurrent" in result.output, result.output
     assert "Invalid value for '--max-concurrent'" in " ".join(result.output.split()), result.output
+
+
+def test_a_sweep_counts_its_trials_so_its_default_concurrency_is_not_capped_at_one():
+    from pathlib import Path
+
+    from pipelines.search_space import load_space
+    from pipelines.tune import trial_count
+
+    spaces = Path(__file__).resolve().parents[1] / "tune_spaces"
+    base = load_config(None)
+    assert trial_count(load_space(spaces / "noise_schedule.yaml", base)) == 4
+    assert trial_count(load_space(spaces / "noise_schedule_random.yaml", base)) == 8
+    assert trial_count(load_space(spaces / "noise_schedule_random.yaml", base), num_samples=3) == 3
+    small = config(**{"train.num_workers": 1, "train.cpus_per_worker": 0.5, "data.ingest_cpus": 0.5})
+    assert cluster.fitting_runs([small] * 4, {"CPU": 4.0}) == 4
