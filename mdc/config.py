@@ -122,6 +122,9 @@ class TrainConfig(_Section):
     use_gpu: bool = False
     cpus_per_worker: float = Field(0.5, gt=0.0)
     max_failures: int = Field(2, ge=-1, description="worker-group restarts from the last checkpoint")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="how Ray places the workers on nodes: PACK fills few nodes, SPREAD one worker a node"
+    )
 
     @model_validator(mode="after")
     def _global_batch(self) -> TrainConfig:

@@ -16,6 +16,7 @@ every row's metrics and both files, with each objective's training run as its ch
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -33,7 +34,7 @@ from mdc.evaluation import compositionality as comp
 from mdc.evaluation import probe as linear_probe
 from mdc.registry import OBJECTIVES
 from mdc.train.checkpoint import load_pretrained
-from pipelines import reports, tracking
+from pipelines import cluster, progress, reports, tracking
 from pipelines.train import run_training
 
 DEFAULT_OBJECTIVES = tuple(OBJECTIVES)
@@ -140,6 +141,34 @@ def write_tables(title: str, rows: list[Row], workdir: Path, console: Console) -
     console.print(table)
 
 
+def train_row(cfg: RunConfig, parent: str, evaluation: tuple, console: Console, channel=None) -> Row:
+    """One objective trained (reporting to `channel` when runs train at once) and evaluated (one
+    evaluation at a time in this process); its row, also logged to its MLflow run."""
+    data_uri, endpoint_url, caption_length, limit, samples = evaluation
+    objective = cfg.objective.name
+    console.print(f"[bold]{objective}[/bold]: training {cfg.train.steps} steps")
+    summary = run_training(cfg, parent_run_id=parent, channel=channel)
+    with cluster.serialized():
+        metrics = evaluate_checkpoint(
+            summary.checkpoint_uri, data_uri, endpoint_url, (caption_length,), limit, samples, cfg.train.seed
+        )
+    row = Row(
+        objective=objective,
+        probe_accuracy=metrics["probe_accuracy"],
+        compositionality_accuracy=metrics["compositionality_accuracy"],
+        compositionality_blind_accuracy=metrics["compositionality_blind_accuracy"],
+        text_biased=metrics["text_biased"],
+        **{k: metrics.get(f"captions/N{caption_length}/{k}") for k in ("bleu4", "cider", "captions_per_s")},
+        train_images_per_s=summary.metrics["images_per_s"],
+        final_loss=summary.metrics["loss"],
+        checkpoint=summary.checkpoint_uri,
+        mlflow_run_id=summary.mlflow_run_id,
+    )
+    numbers = {f"compare/{k}": v for k, v in asdict(row).items() if isinstance(v, float)}
+    tracking.log_evaluation(tracking.absolute_tracking_uri(cfg.mlflow_uri), numbers, [], run_id=summary.mlflow_run_id)
+    return row
+
+
 def run_compare(
     objectives: Sequence[str],
     workdir: Path,
@@ -152,12 +181,14 @@ def run_compare(
     samples: int = 8,
     num_images: int = 2000,
     console: Console | None = None,
+    max_concurrent: int | None = None,
 ) -> list[Row]:
     """Train and evaluate every objective; write the table (console, compare.md/.html, MLflow).
 
     `config` (default: none, the built-in defaults) and `overrides` make the shared budget; runs,
     MLflow and the tables go under `workdir`. Without `data_uri`, `num_images` shapes are generated
-    into workdir/shapes (once)."""
+    into workdir/shapes (once). `max_concurrent` objectives train at once (default: what fits
+    the cluster)."""
     console = console or Console()
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -178,30 +209,17 @@ def run_compare(
         name,
         {"objectives": ",".join(objectives), "data": data_uri, "caption_length": caption_length, **base.model_dump()},
     )
-    rows = []
     try:
-        for objective in objectives:
-            cfg = compare_config(base, objective, data_uri, name)
-            console.print(f"[bold]{objective}[/bold]: training {cfg.train.steps} steps")
-            summary = run_training(cfg, parent_run_id=parent)
-            metrics = evaluate_checkpoint(
-                summary.checkpoint_uri, data_uri, endpoint_url, (caption_length,), limit, samples, cfg.train.seed
-            )
-            row = Row(
-                objective=objective,
-                probe_accuracy=metrics["probe_accuracy"],
-                compositionality_accuracy=metrics["compositionality_accuracy"],
-                compositionality_blind_accuracy=metrics["compositionality_blind_accuracy"],
-                text_biased=metrics["text_biased"],
-                **{k: metrics.get(f"captions/N{caption_length}/{k}") for k in ("bleu4", "cider", "captions_per_s")},
-                train_images_per_s=summary.metrics["images_per_s"],
-                final_loss=summary.metrics["loss"],
-                checkpoint=summary.checkpoint_uri,
-                mlflow_run_id=summary.mlflow_run_id,
-            )
-            rows.append(row)
-            numbers = {f"compare/{k}": v for k, v in asdict(row).items() if isinstance(v, float)}
-            tracking.log_evaluation(mlflow_uri, numbers, [], run_id=summary.mlflow_run_id)
+        n, configs = cluster.plan_concurrency(
+            {objective: compare_config(base, objective, data_uri, name) for objective in objectives}, max_concurrent
+        )
+        evaluation = (data_uri, endpoint_url, caption_length, limit, samples)
+        with progress.shared(n, console) as channel:
+            calls = {
+                objective: functools.partial(train_row, cfg, parent, evaluation, console, channel)
+                for objective, cfg in configs.items()
+            }
+            rows = list(cluster.run_all(calls, n).values())
     except BaseException:
         tracking.finish_run(mlflow_uri, parent, "FAILED")
         raise

@@ -9,6 +9,7 @@ the driver creates it, hands it to every run, and keeps one display open over al
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -16,6 +17,8 @@ import ray
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.text import Text
+
+from pipelines.cluster import on_driver_node
 
 POLL_S = 0.5
 DATA_WAIT_WARNING = 0.10  # share of step time spent waiting for batches worth telling the user about
@@ -37,7 +40,20 @@ class ProgressChannel:
 
 
 def open_channel():
-    return ProgressChannel.remote()
+    """A channel on the driver's node: a lost worker node does not take the display with it."""
+    return ProgressChannel.options(scheduling_strategy=on_driver_node()).remote()
+
+
+@contextlib.contextmanager
+def shared(max_concurrent: int, console: Console):
+    """For runs that train at once: one channel they all report to and one display of them all
+    (yielded); None when they go one at a time and each draws its own."""
+    if max_concurrent <= 1:
+        yield None
+        return
+    channel = open_channel()
+    with ProgressDisplay(channel, console):
+        yield channel
 
 
 class Reporter:
@@ -114,7 +130,10 @@ class ProgressDisplay:
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join(timeout=10)
-        self._show(ray.get(self.channel.drain.remote(), timeout=10))
+        try:
+            self._show(ray.get(self.channel.drain.remote(), timeout=10))
+        except Exception as err:  # the display's last events are not worth failing a finished run
+            self.print(f"(progress display: last events lost: {type(err).__name__})")
         if self.live:
             self.progress.stop()
 

@@ -1,7 +1,7 @@
 """Every use of Ray's private modules, in one place, for what Ray has no public switch for: the
 printer of the workers' forwarded output (replaced to route it to a file while `[mdc] ` lines
-still reach the console), the current-cluster file `ray start` writes, and Ray Data's progress
-records (to say which operator a stalled run waits on). Tested on the Ray versions below;
+still reach the console), the current-cluster file `ray start` writes (read; removed after a
+test cluster), and Ray Data's progress records (to say which operator a stalled run waits on). Tested on the Ray versions below;
 tests/test_ray_private.py fails, naming the attribute, when an upgrade removes one."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 import ray
+import ray._common.utils
 import ray._private.ray_logging
 import ray._private.utils
 import ray._private.worker
@@ -18,6 +19,7 @@ USED = (  # (module, attribute): what this module reads
     ("ray._private.worker", "print_to_stdstream"),
     ("ray._private.ray_logging", "global_worker_stdstream_dispatcher"),
     ("ray._private.utils", "read_ray_address"),
+    ("ray._common.utils", "reset_ray_address"),
     ("ray.data._internal.stats", "STATS_ACTOR_NAME"),
     ("ray.data._internal.stats", "STATS_ACTOR_NAMESPACE"),
 )
@@ -27,6 +29,13 @@ RAY_PRINTER = "ray_print_logs"  # the name ray.init gives its printer of forward
 def recorded_address() -> str | None:
     """The address the last `ray start` on this machine wrote, if any."""
     return ray._private.utils.read_ray_address()
+
+
+def forget_recorded_address(address: str) -> None:
+    """Remove the current-cluster file when it names `address` (a test cluster that is gone), so
+    that a later `connect_ray` does not try to join it."""
+    if recorded_address() == address:
+        ray._common.utils.reset_ray_address()
 
 
 def _dispatcher():

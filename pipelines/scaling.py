@@ -15,6 +15,7 @@ run NAME, whose children are the per-size training runs.
 
 from __future__ import annotations
 
+import functools
 import json
 import posixpath
 import tempfile
@@ -28,7 +29,7 @@ from mdc.config import RunConfig, build_config
 from mdc.data import shards, storage
 from mdc.evaluation import probe, readers
 from mdc.train.checkpoint import load_pretrained
-from pipelines import reports, tracking
+from pipelines import cluster, progress, reports, tracking
 from pipelines.console import UserError, console, first_line_of
 from pipelines.train import run_training
 
@@ -191,12 +192,39 @@ def result_row(cfg: RunConfig, size: int, summary, accuracy: float) -> dict:
     }
 
 
+def train_size(cfg: RunConfig, size: int, parent: str, probe: Probe, channel=None) -> dict | tuple[str, str, str]:
+    """One size trained and probed: its row, also written to its results file; or, when it failed,
+    (run name, error line, where its traceback is)."""
+    endpoint = cfg.data.endpoint_url
+    mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
+    # Created here with the parent tag; run_training finds it by name and logs into it.
+    tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id=parent)
+    try:
+        summary = run_training(cfg, channel=channel)
+        with cluster.serialized():  # probes run here, in the driver, one at a time
+            accuracy = probe(summary.checkpoint_uri)
+    except SystemError:
+        raise  # how Ray passes on an interrupt (Ctrl-C, a timeout) that came while it waited: stop
+    except Exception as err:
+        error_uri = storage.join(cfg.storage_uri, cfg.name, ERROR)
+        storage.write_bytes(error_uri, traceback.format_exc().encode(), endpoint)
+        console.print(f"{cfg.name}: failed: {first_line_of(err)}", highlight=False)
+        return (cfg.name, first_line_of(err), error_uri)
+    tracking.log_metrics(mlflow_uri, summary.mlflow_run_id, {f"eval/probe/{probe.dataset}/accuracy": accuracy})
+    tracking.log_metrics(mlflow_uri, parent, {"scaling/probe_accuracy": accuracy}, step=size)
+    row = result_row(cfg, size, summary, accuracy)
+    storage.write_bytes(storage.join(cfg.storage_uri, cfg.name, RESULTS), json.dumps(row, indent=2).encode(), endpoint)
+    console.print(f"{cfg.name}: probe {accuracy:.4f}")
+    return row
+
+
 def run_scaling(
-    base: RunConfig, sizes: list[int], total: int, name: str, probe: Probe
+    base: RunConfig, sizes: list[int], total: int, name: str, probe: Probe, max_concurrent: int | None = None
 ) -> tuple[list[dict], list[tuple[str, str, str]]]:
-    """Train and probe every size that has no result yet; returns one row per finished size and
-    the failed ones as (run name, error line, where its traceback is). A failed size does not stop
-    the others; its traceback goes to STORAGE/NAME-SIZE/error.txt."""
+    """Train and probe every size that has no result yet, `max_concurrent` at once (default: what
+    fits the cluster); returns one row per finished size and the failed ones as (run name, error
+    line, where its traceback is). A failed size does not stop the others; its traceback goes to
+    STORAGE/NAME-SIZE/error.txt."""
     endpoint = base.data.endpoint_url
     mlflow_uri = tracking.absolute_tracking_uri(base.mlflow_uri)
     params = {
@@ -210,33 +238,23 @@ def run_scaling(
     parent = tracking.get_or_create_run(mlflow_uri, base.experiment, name, params)
     rows, failures = [], []
     try:
+        done, pending = {}, {}
         for size in sizes:
             cfg = size_config(base, name, size, total)
-            results_uri = storage.join(cfg.storage_uri, cfg.name, RESULTS)
-            row = read_result(results_uri, endpoint)
+            row = read_result(storage.join(cfg.storage_uri, cfg.name, RESULTS), endpoint)
             if row is not None:
                 console.print(f"{cfg.name}: done before (probe {row['probe_accuracy']:.4f}), skipped")
-                rows.append(row)
-                continue
-            # Created here with the parent tag; run_training finds it by name and logs into it.
-            tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id=parent)
-            try:
-                summary = run_training(cfg)
-                accuracy = probe(summary.checkpoint_uri)
-            except SystemError:
-                raise  # how Ray passes on an interrupt (Ctrl-C, a timeout) that came while it waited: stop
-            except Exception as err:
-                error_uri = storage.join(cfg.storage_uri, cfg.name, ERROR)
-                storage.write_bytes(error_uri, traceback.format_exc().encode(), endpoint)
-                failures.append((cfg.name, first_line_of(err), error_uri))
-                console.print(f"{cfg.name}: failed: {first_line_of(err)}", highlight=False)
-                continue
-            tracking.log_metrics(mlflow_uri, summary.mlflow_run_id, {f"eval/probe/{probe.dataset}/accuracy": accuracy})
-            tracking.log_metrics(mlflow_uri, parent, {"scaling/probe_accuracy": accuracy}, step=size)
-            row = result_row(cfg, size, summary, accuracy)
-            storage.write_bytes(results_uri, json.dumps(row, indent=2).encode(), endpoint)
-            console.print(f"{cfg.name}: probe {accuracy:.4f}")
-            rows.append(row)
+                done[size] = row
+            else:
+                pending[size] = cfg
+        n, pending = cluster.plan_concurrency(pending, max_concurrent)
+        with progress.shared(n, console) as channel:
+            calls = {
+                size: functools.partial(train_size, cfg, size, parent, probe, channel) for size, cfg in pending.items()
+            }
+            outcomes = {**done, **cluster.run_all(calls, n)}
+        for size in sizes:  # in size order, whatever the order of finishing
+            (failures if isinstance(outcomes[size], tuple) else rows).append(outcomes[size])
         title = f"{name}: {pairs_seen(base)} pairs seen per model ({base.train.steps} steps)"
         with tempfile.TemporaryDirectory() as directory:
             tracking.log_artifacts(

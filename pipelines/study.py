@@ -18,6 +18,7 @@ Written to OUT as study.json, results.md and claims.png, and logged to the paren
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -37,7 +38,7 @@ from mdc.data.storage import join
 from mdc.data.tuxpaint import write_tuxpaint_dataset
 from mdc.evaluation import probe
 from mdc.registry import OBJECTIVES
-from pipelines import reports, tracking
+from pipelines import cluster, progress, reports, tracking
 from pipelines.compare import evaluate_checkpoint
 from pipelines.train import run_training
 
@@ -283,30 +284,36 @@ def check_data(plan: Plan) -> None:
             )
 
 
-def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: str) -> dict:
-    """One run's metrics: from its result.json when it finished before, else trained and evaluated."""
-    path = out / "runs" / cfg.name / RESULT
+def result_path(out: Path, cfg: RunConfig) -> Path:
+    return out / "runs" / cfg.name / RESULT
+
+
+def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: str, channel=None) -> dict:
+    """One run's metrics: from its result.json when it finished before, else trained and evaluated.
+    `channel`: the progress channel of runs that train at once (pipelines.progress.shared)."""
+    path = result_path(out, cfg)
     if path.is_file():
         console.print(f"{cfg.name}: finished before, not rerun")
         return json.loads(path.read_text())
     console.print(f"[bold]{cfg.name}[/bold]: training {cfg.train.steps} steps")
-    summary = run_training(cfg, parent_run_id=parent)
+    summary = run_training(cfg, parent_run_id=parent, channel=channel)
     ev = plan.evaluations
-    metrics = evaluate_checkpoint(
-        summary.checkpoint_uri,
-        dataset_root(plan, arm, out),
-        cfg.data.endpoint_url,
-        ev.caption_lengths,
-        ev.limit,
-        ev.samples,
-        cfg.train.seed,
-        ev.normalize,
-        ev.probe,
-        ev.compositionality and plan.datasets[arm_dataset(plan, arm)].has_pairs,
-    )
-    if ev.probe_baseline:
-        metrics["probe_random_init_accuracy"] = random_init_probe(cfg, dataset_root(plan, arm, out))
-        metrics["probe_gain"] = metrics["probe_accuracy"] - metrics["probe_random_init_accuracy"]
+    with cluster.serialized():  # evaluations run here, in the driver, one at a time (torch's global seed)
+        metrics = evaluate_checkpoint(
+            summary.checkpoint_uri,
+            dataset_root(plan, arm, out),
+            cfg.data.endpoint_url,
+            ev.caption_lengths,
+            ev.limit,
+            ev.samples,
+            cfg.train.seed,
+            ev.normalize,
+            ev.probe,
+            ev.compositionality and plan.datasets[arm_dataset(plan, arm)].has_pairs,
+        )
+        if ev.probe_baseline:
+            metrics["probe_random_init_accuracy"] = random_init_probe(cfg, dataset_root(plan, arm, out))
+            metrics["probe_gain"] = metrics["probe_accuracy"] - metrics["probe_random_init_accuracy"]
     metrics.update(
         final_loss=summary.metrics["loss"],
         val_loss=summary.metrics.get("val_loss"),
@@ -444,8 +451,23 @@ def results_markdown(plan: Plan, claims: list[dict], wall_s: float) -> str:
     return "\n".join(lines) + "\n" + reports.markdown_table(columns, rows)
 
 
-def run_study(plan: Plan, plan_path: Path, out: Path) -> list[dict]:
-    """Every run that has no result yet, then the claims; returns one dict per claim."""
+def run_runs(plan: Plan, configs: dict, out: Path, parent: str, max_concurrent: int | None) -> dict:
+    """Every run's result, by (arm, seed): the finished ones read back, the others trained and
+    evaluated, `max_concurrent` at once (default: what the cluster's free resources fit)."""
+    pending = {key: cfg for key, cfg in configs.items() if not result_path(out, cfg).is_file()}
+    n, planned = cluster.plan_concurrency(pending, max_concurrent)
+    configs = {**configs, **planned}
+    with progress.shared(n, console) as channel:
+        calls = {
+            key: functools.partial(train_and_evaluate, plan, key[0], cfg, out, parent, channel)
+            for key, cfg in configs.items()
+        }
+        return cluster.run_all(calls, n)
+
+
+def run_study(plan: Plan, plan_path: Path, out: Path, max_concurrent: int | None = None) -> list[dict]:
+    """Every run that has no result yet (`max_concurrent` at once, default what fits the
+    cluster), then the claims; returns one dict per claim."""
     tic = time.perf_counter()
     out = Path(out).resolve()
     configs = run_configs(plan, plan_path, out)
@@ -456,7 +478,7 @@ def run_study(plan: Plan, plan_path: Path, out: Path) -> list[dict]:
     prepare_data(plan, out)
     parent = tracking.get_or_create_run(mlflow_uri, first.experiment, f"study-{plan.name}", plan.model_dump())
     try:
-        results = {key: train_and_evaluate(plan, key[0], cfg, out, parent) for key, cfg in configs.items()}
+        results = run_runs(plan, configs, out, parent, max_concurrent)
         claims = [claim_result(plan, claim, results) for claim in plan.claims]
         wall_s = time.perf_counter() - tic
         (out / "study.json").write_text(

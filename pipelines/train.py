@@ -23,6 +23,7 @@ from mdc.data import shards, storage
 from mdc.models.captioner import PRESETS
 from mdc.train import checkpoint as ckpt
 from pipelines import online_eval, progress, reports, tracking
+from pipelines.cluster import on_driver_node
 from pipelines.console import console
 from pipelines.ingest import (
     BadRecordLedgerActor,
@@ -113,8 +114,7 @@ def _train(
     driver.note(f"preparing data ({data.train_uri}) and {cfg.train.num_workers} training workers")
     mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
     run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id)
-    actors = IngestActors(bad_records=BadRecordLedgerActor.remote(), passed_over=PassedOverShardsActor.remote())
-    evaluator = OnlineEvaluator.remote(cfg, mlflow_uri, run_id) if cfg.eval.enabled else None
+    actors, evaluator = _run_actors(cfg, mlflow_uri, run_id)
     train_shards = shards.list_shards(data.train_uri, data.format, data.endpoint_url)
     resources, datasets = _datasets(cfg, actors, train_shards)
     storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
@@ -140,6 +140,7 @@ def _train(
             num_workers=cfg.train.num_workers,
             use_gpu=cfg.train.use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if cfg.train.use_gpu else {})},
+            placement_strategy=cfg.train.placement_strategy,
         ),
         run_config=ray.train.RunConfig(
             name=cfg.name,
@@ -162,6 +163,19 @@ def _train(
         raise
     online = _online_results(cfg, evaluator, driver)
     return _finish(cfg, mlflow_uri, run_id, run_dir, ray.get(actors.bad_records.get.remote()), driver, online)
+
+
+def _run_actors(cfg: RunConfig, mlflow_uri: str, run_id: str):
+    """The run's ingest actors and, with online evaluation, its evaluator: on the driver's node,
+    so they stay with the driver when a worker node is lost."""
+    here = on_driver_node()
+    actors = IngestActors(
+        bad_records=BadRecordLedgerActor.options(scheduling_strategy=here).remote(),
+        passed_over=PassedOverShardsActor.options(scheduling_strategy=here).remote(),
+    )
+    if not cfg.eval.enabled:
+        return actors, None
+    return actors, OnlineEvaluator.options(scheduling_strategy=here).remote(cfg, mlflow_uri, run_id)
 
 
 def _online_results(cfg: RunConfig, evaluator, driver: progress.Reporter) -> list[dict]:

@@ -25,7 +25,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from mdc.config import RunConfig, apply_overrides, build_config
 from mdc.evaluation.probe import probe_shapes
 from mdc.train.checkpoint import load_pretrained
-from pipelines import progress, reports, tracking
+from pipelines import cluster, progress, reports, tracking
 from pipelines.console import console, first_line_of
 from pipelines.runtime import absolute_paths
 from pipelines.search_space import SearchSpace, _copy, to_override_list
@@ -170,14 +170,26 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def trial_count(space: SearchSpace, num_samples: int | None = None) -> int:
+    """Trials a sweep runs: the grid's points times its repeats, or a random space's draws."""
+    if space.search == "grid":
+        return len(space.grid_points()) * space.num_samples
+    return num_samples or space.num_samples
+
+
 def run_sweep(
     space: SearchSpace,
     base_cfg: RunConfig,
     num_samples: int | None = None,
-    max_concurrent: int = 1,
+    max_concurrent: int | None = None,
     verbose: bool = False,
 ) -> SweepSummary:
+    """The sweep, `max_concurrent` trials at once (default: as many as the cluster's free
+    resources hold, pipelines.cluster.fitting_runs); Ray Tune places them."""
     base_cfg = absolute_paths(base_cfg)
+    if max_concurrent is None:
+        max_concurrent = cluster.fitting_runs([base_cfg] * trial_count(space, num_samples))
+        console.print(f"{max_concurrent} trial(s) at once: what the cluster's free resources hold", highlight=False)
     mlflow_uri = tracking.absolute_tracking_uri(base_cfg.mlflow_uri)
     sweep = sweep_name(base_cfg, space)
     parent = tracking.get_or_create_run(

@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
     """Mark every test that starts Ray, however it gets the cluster (directly or through a fixture),
     so that `-m "not ray"` leaves exactly the Ray-free tests."""
     for item in items:
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
+        if {"ray_cluster", "multinode"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
 
 

@@ -93,6 +93,7 @@ def scheduled_rayjob() -> dict:
 def rayjobs() -> dict[str, dict]:
     return {
         "rayjob-pretrain.yaml": by_kind(load(KUBERAY / "rayjob-pretrain.yaml"))["RayJob"],
+        "rayjob-sweep.yaml": by_kind(load(KUBERAY / "rayjob-sweep.yaml"))["RayJob"],
         "scaling-cronjob.yaml (ConfigMap)": scheduled_rayjob(),
     }
 
@@ -228,6 +229,30 @@ def test_training_workers_are_one_per_gpu_and_fit_the_gpu_pod(where, gpu_type):
     config = load_config(repo_path(tokens[tokens.index("--config") + 1]))
     if gpu_type != "g5.xlarge":  # 4 vCPUs: too few for a GPU's data loading; README names g5.2xlarge and up
         assert config.train.cpus_per_worker * int(sizes["GPU_POD_GPUS"]) <= int(sizes["GPU_POD_CPU"]), gpu_type
+
+
+@pytest.mark.parametrize("gpu_type", [t for t in GPU_TYPES if t != "g5.xlarge"])
+def test_sweep_runs_one_trial_per_gpu_node_and_the_cluster_fits_as_many_at_once(gpu_type):
+    """The sweep RayJob: `mdc tune` over a shipped space, each trial on one node's GPUs, and the
+    default concurrency (what fits the free resources) is one trial per GPU node."""
+    from pipelines.cluster import fitting_runs
+    from pipelines.search_space import load_space
+    from pipelines.tune import trial_count
+
+    values = {**TEST_VALUES, "GPU_INSTANCE_TYPE": gpu_type, "GPU_WORKERS": "3"}
+    job = by_kind([d for d in yaml.safe_load_all(render((KUBERAY / "rayjob-sweep.yaml").read_text(), values)) if d])
+    tokens = shlex.split(job["RayJob"]["spec"]["entrypoint"])
+    assert tokens[:2] == ["mdc", "tune"] and "--max-concurrent" not in tokens  # the default: what fits
+    overrides = [t for t in tokens[2:] if "=" in t and not t.startswith("-")]
+    config = load_config(repo_path(tokens[tokens.index("--config") + 1]), overrides)
+    space = load_space(repo_path(tokens[tokens.index("--space") + 1]), config)
+    sizes = derived(values)
+    assert config.train.num_workers == int(sizes["GPU_POD_GPUS"]) and config.train.use_gpu
+    free = {
+        "GPU": 3.0 * int(sizes["GPU_POD_GPUS"]),
+        "CPU": 3.0 * int(sizes["GPU_POD_CPU"]) + int(values["CPU_WORKERS"]) * int(sizes["CPU_POD_CPU"]),
+    }
+    assert fitting_runs([config] * trial_count(space), free) == 3, gpu_type  # what run_sweep counts
 
 
 # --------------------------------------------------------------------------------------- KubeRay

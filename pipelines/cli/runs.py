@@ -21,6 +21,8 @@ from pipelines import runtime
 from pipelines.console import VERBOSE_OPTION, Settings, console, report_failures, user_errors
 from pipelines.search_space import load_space
 
+MAX_CONCURRENT_HELP = "runs at once (default: as many as the cluster's free CPUs/GPUs hold; 1 on a 2-core machine)"
+
 
 def train(
     ctx: typer.Context,
@@ -73,7 +75,7 @@ def tune(
     space: Path = typer.Option(..., help="search space YAML (tune_spaces/)"),
     config: Path = typer.Option(DEFAULT_CONFIG, help="base run config"),
     samples: Optional[int] = typer.Option(None, help="trials for a random space"),
-    max_concurrent: int = typer.Option(1, help="trials at once (1–2 on a 2-core machine)"),
+    max_concurrent: Optional[int] = typer.Option(None, min=1, help=MAX_CONCURRENT_HELP.replace("runs", "trials")),
     address: Optional[str] = None,
     verbose: bool = VERBOSE_OPTION,
 ):
@@ -123,6 +125,7 @@ def compare(
     caption_length: int = typer.Option(10, min=1, help="caption length N' for BLEU-4 / CIDEr-D"),
     limit: int = typer.Option(200, min=1, help="images per evaluation (captions, each compositionality subset)"),
     samples: int = typer.Option(8, min=1, help="Monte Carlo draws per caption score"),
+    max_concurrent: Optional[int] = typer.Option(None, min=1, help=MAX_CONCURRENT_HELP),
     address: Optional[str] = None,
     verbose: bool = VERBOSE_OPTION,
 ):
@@ -143,7 +146,19 @@ def compare(
         from pipelines.compare import run_compare  # the Ray program: seconds to import, so after the checks
 
         with runtime.ray_session(workdir / "ray.log", address, verbose):
-            run_compare(names, workdir, data, config, overrides, name, caption_length, limit, samples, console=console)
+            run_compare(
+                names,
+                workdir,
+                data,
+                config,
+                overrides,
+                name,
+                caption_length,
+                limit,
+                samples,
+                console=console,
+                max_concurrent=max_concurrent,
+            )
 
 
 def scaling(
@@ -162,6 +177,7 @@ def scaling(
     ),
     storage_uri: Optional[str] = typer.Option(None, "--storage", help="checkpoint storage URI (storage_uri)"),
     mlflow_uri: Optional[str] = None,
+    max_concurrent: Optional[int] = typer.Option(None, min=1, help=MAX_CONCURRENT_HELP),
     address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
     verbose: bool = VERBOSE_OPTION,
 ):
@@ -189,7 +205,7 @@ def scaling(
         runtime.check_inputs(base)
         log = (Path(base.storage_uri) if "://" not in base.storage_uri else Path("mdc-logs")).resolve() / name
         with runtime.ray_session(log / "ray.log", address, verbose):
-            rows, failures = experiment.run_scaling(base, size_list, total, name, probe)
+            rows, failures = experiment.run_scaling(base, size_list, total, name, probe, max_concurrent)
     report_failures("size", len(size_list), failures)
 
 
@@ -214,6 +230,7 @@ def print_claims(claims: list[dict]) -> None:
 def study(
     plan: Path = typer.Option(..., help="study plan YAML (studies/)"),
     out: Optional[Path] = typer.Option(None, help="runs, MLflow and the report (default: runs/study-NAME)"),
+    max_concurrent: Optional[int] = typer.Option(None, min=1, help=MAX_CONCURRENT_HELP),
     address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
     verbose: bool = VERBOSE_OPTION,
 ):
@@ -229,7 +246,7 @@ def study(
         studies.run_configs(parsed, plan, directory)
         studies.check_data(parsed)
         with runtime.ray_session(directory / "ray.log", address, verbose):
-            claims = studies.run_study(parsed, plan, directory)
+            claims = studies.run_study(parsed, plan, directory, max_concurrent)
     print_claims(claims)
     console.print(f"report: {directory / 'results.md'}, {directory / 'study.json'}, {directory / 'claims.png'}")
 
