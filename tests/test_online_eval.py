@@ -8,6 +8,7 @@ from mlflow.tracking import MlflowClient
 
 from mdc.config import ConfigError, load_config
 from mdc.evaluation import probe
+from mdc.train import checkpoint as ckpt
 from pipelines import online_eval
 from pipelines.worker.checkpointer import Checkpointer
 
@@ -116,5 +117,12 @@ def test_a_run_logs_the_probe_and_compositionality_against_step(ray_cluster, sha
     }
     assert history == {online_eval.PROBE_KEY: [10, 20], online_eval.COMPOSITIONALITY_PREFIX + "macro": [20]}
     assert [r["step"] for r in summary.online] == [10, 20] and not any("error" in r for r in summary.online)
+    # each evaluation scored its own step's weights: step 20's are the exported final ones
+    run_dir = str(tmp_path / "ckpt" / "online")
+    at_10, at_20 = (ckpt.read_weights(ckpt.checkpoint_dir(run_dir, s)) for s in (10, 20))
+    assert any(not torch.equal(at_10[k], at_20[k]) for k in at_20)
+    final, _ = ckpt.load_pretrained(summary.checkpoint_uri)
+    assert summary.online[1][online_eval.PROBE_KEY] == probe.probe_shapes(final, str(shapes_dir))["accuracy"]
+    print("online probe at steps 10, 20:", [r[online_eval.PROBE_KEY] for r in summary.online])
     artifacts = [a.path for a in client.list_artifacts(summary.mlflow_run_id, "report")]
     assert "report/online.png" in artifacts
