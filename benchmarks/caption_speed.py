@@ -2,13 +2,15 @@
 
 A tiny MDC and a tiny AR captioner (same preset, vocabulary and caption length) are trained here
 from scratch, in this process, on the generated shapes dataset; both then caption the same held-out
-images. MDC is run at full steps (N' passes, one token each, as in the paper), with fewer passes
-(linear and cosine schedules) and with confidence thresholds (Fast-dLLM); AR decodes greedily with
-its KV cache. Quality is CIDEr-D against the held-out captions; speed is captions per second at
+images. MDC is run at a fixed N' (the held-out captions' median length) at full steps (N' passes,
+one token each, as in the paper), with fewer passes (linear and cosine schedules) and with
+confidence thresholds (Fast-dLLM); at its length head's N' per image, full steps and thresholds;
+and at each image's reference length (an oracle, an upper bound). AR decodes greedily with its KV
+cache. Quality is CIDEr-D against the held-out captions; speed is captions per second at
 B = 32 and seconds per caption at B = 1, each the median of `--repeats` timed passes after one
 untimed warm-up, on `--threads` threads.
 
-    python -m benchmarks.caption_speed            # ~6 min on 2 CPU cores
+    python -m benchmarks.caption_speed            # ~10 min on 2 CPU cores
     python -m benchmarks.caption_speed --steps 600 --out runs/caption-speed
 
 Writes `result.json`, `caption_speed.png` (the curve), `table.md` and the two exported checkpoints
@@ -89,26 +91,36 @@ def measure(name: str, write, count: int, references, tokenizer, args) -> dict:
         "example": captions[0],
     }
     print(
-        f"{name:>22}: CIDEr-D {row['cider']:.3f}  BLEU-4 {row['bleu4']:.3f}  "
+        f"{name:>28}: CIDEr-D {row['cider']:.3f}  BLEU-4 {row['bleu4']:.3f}  "
         f"{row['captions_per_s_b32']:7.1f} captions/s (B=32)  {1000 * row['s_per_caption_b1']:6.1f} ms/caption (B=1)"
     )
     return row
 
 
-def verdict(rows: list[dict], tolerance: float) -> dict:
-    """The fastest MDC setting (B = 32) within `tolerance` CIDEr-D of full-step MDC, against AR."""
-    full, ar = rows[0], next(r for r in rows if r["setting"] == AR)
-    close = [r for r in rows if r["fixed_length"] and r["cider"] >= full["cider"] - tolerance]
-    best = max(close, key=lambda r: r["captions_per_s_b32"])
+def verdict(rows: list[dict], group: str, tolerance: float) -> dict:
+    """The fastest MDC setting (B = 32) of a length `group` within `tolerance` CIDEr-D of that
+    group's full-step setting (its first row), against AR."""
+    mine, ar = [r for r in rows if r["group"] == group], next(r for r in rows if r["group"] == "ar")
+    full = mine[0]
+    best = max((r for r in mine if r["cider"] >= full["cider"] - tolerance), key=lambda r: r["captions_per_s_b32"])
     return {
         "full_step_cider": full["cider"],
         "fastest_within_tolerance": best["setting"],
         "its_cider": best["cider"],
         "speedup_over_full_steps_b32": best["captions_per_s_b32"] / full["captions_per_s_b32"],
         "mdc_over_ar_b32": best["captions_per_s_b32"] / ar["captions_per_s_b32"],
-        "mdc_over_ar_latency_b1": best["s_per_caption_b1"] / ar["s_per_caption_b1"],
+        "mdc_latency_over_ar_b1": best["s_per_caption_b1"] / ar["s_per_caption_b1"],
         "ar_cider": ar["cider"],
     }
+
+
+def verdict_line(group: str, v: dict, tolerance: float) -> str:
+    return (
+        f"{group}: fastest MDC within {tolerance} CIDEr-D of its full steps ({v['full_step_cider']:.3f}): "
+        f"{v['fastest_within_tolerance']} (CIDEr-D {v['its_cider']:.3f}), {v['speedup_over_full_steps_b32']:.2f}× "
+        f"full steps' captions/s; against AR (CIDEr-D {v['ar_cider']:.3f}): {v['mdc_over_ar_b32']:.2f}× its "
+        f"captions/s at B=32, {v['mdc_latency_over_ar_b1']:.2f}× its latency at B=1"
+    )
 
 
 def draw(rows: list[dict], path: Path, length: int) -> None:
@@ -119,7 +131,7 @@ def draw(rows: list[dict], path: Path, length: int) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for row in rows:
-        ar = row["setting"] == AR
+        ar = row["group"] == "ar"
         ax.scatter(row["captions_per_s_b32"], row["cider"], marker="s" if ar else "o", c="C3" if ar else "C0")
         ax.annotate(
             row["setting"],
@@ -152,14 +164,13 @@ def main() -> None:
     parser.add_argument("--train-images", type=int, default=2000)
     parser.add_argument("--eval-images", type=int, default=128)
     parser.add_argument("--latency-images", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=400, help="training steps of each model")
+    parser.add_argument("--steps", type=int, default=300, help="training steps of each model")
     parser.add_argument("--batch", type=int, default=64, help="training batch")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="threads while decoding (training uses all)")
     parser.add_argument("--tolerance", type=float, default=0.05)
     parser.add_argument("--out", type=Path, default=Path("runs/caption-speed"))
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     tokenizer = CaptionTokenizer(MAX_LENGTH)
     train_set, held_out = (
         generate_shapes(args.train_images, 0, IMAGE_SIZE),
@@ -178,33 +189,36 @@ def main() -> None:
         export_weights(args.out / "checkpoints" / name, model.state_dict(), dump_config(cfg))
     models = {name: model for name, (model, _) in trained.items()}
     mdc, ar, count = models["mdc"], models["ar"], len(held_out)
+    fixed = f"fixed N' = {length}"
     runs = [
-        (d.label(), True, lambda i, j, d=d: write_captions(mdc, eval_images[i:j], "mdc", length, d))
+        (fixed, d.label(), lambda i, j, d=d: write_captions(mdc, eval_images[i:j], "mdc", length, d))
         for d in settings(length)
     ]
-    runs += [
-        ("predicted N'", False, lambda i, j: write_captions(mdc, eval_images[i:j], "mdc", None)),
-        ("reference N' (oracle)", False, lambda i, j: write_captions(mdc, eval_images[i:j], "mdc", lengths[i:j])),
-        (AR, False, lambda i, j: write_captions(ar, eval_images[i:j], "ar", MAX_LENGTH)),
+    runs += [  # the length head's N' per image: full steps, then thresholds
+        (
+            "predicted N'",
+            f"predicted N', {d.label()}",
+            lambda i, j, d=d: write_captions(mdc, eval_images[i:j], "mdc", None, d),
+        )
+        for d in (Decoding(), *(Decoding(threshold=p) for p in (0.9, 0.7, 0.5)))
     ]
+    runs += [
+        ("oracle", "reference N' (oracle)", lambda i, j: write_captions(mdc, eval_images[i:j], "mdc", lengths[i:j])),
+        ("ar", AR, lambda i, j: write_captions(ar, eval_images[i:j], "ar", MAX_LENGTH)),
+    ]
+    torch.set_num_threads(args.threads)  # training used every core; decoding is timed on these
     with torch.no_grad():
         rows = [
-            {**measure(name, write, count, references, tokenizer, args), "fixed_length": fixed}
-            for name, fixed, write in runs
+            {**measure(name, write, count, references, tokenizer, args), "group": group} for group, name, write in runs
         ]
-    summary = verdict(rows, args.tolerance)
+    summary = {group: verdict(rows, group, args.tolerance) for group in (fixed, "predicted N'")}
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"length": length, "threads": args.threads, "steps": args.steps, "rows": rows, "summary": summary}
     (args.out / "result.json").write_text(json.dumps(result, indent=2))
     (args.out / "table.md").write_text(table(rows))
     draw(rows, args.out / "caption_speed.png", length)
-    print(
-        f"fastest MDC within {args.tolerance} CIDEr-D of full steps ({summary['full_step_cider']:.3f}): "
-        f"{summary['fastest_within_tolerance']} (CIDEr-D {summary['its_cider']:.3f}), "
-        f"{summary['speedup_over_full_steps_b32']:.2f}× full steps; against AR (CIDEr-D {summary['ar_cider']:.3f}): "
-        f"{summary['mdc_over_ar_b32']:.2f}× its captions/s at B=32, {summary['mdc_over_ar_latency_b1']:.2f}× its "
-        f"latency at B=1"
-    )
+    for group, v in summary.items():
+        print(verdict_line(group, v, args.tolerance))
     print(f"wrote {args.out}/result.json, table.md, caption_speed.png")
 
 
