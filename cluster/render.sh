@@ -6,7 +6,9 @@
 # Pod sizes are not given but derived from cluster/instance-types.yaml: for each group G in HEAD,
 # GPU, CPU with G_INSTANCE_TYPE set, G_POD_CPU and G_POD_MEMORY are the node's vCPUs and GiB less
 # what the kubelet keeps (max(1, 10%) and max(4 GiB, 10%)); GPU_POD_GPUS is every GPU of the node,
-# and TRAIN_WORKERS = GPU_WORKERS nodes x GPU_POD_GPUS (one Ray Train worker per GPU).
+# and the Ray Train workers (one per GPU) range from TRAIN_WORKERS_MIN = GPU_WORKERS nodes x
+# GPU_POD_GPUS (on demand) to TRAIN_WORKERS = (GPU_WORKERS + SPOT_GPU_WORKERS) x GPU_POD_GPUS
+# (SPOT_GPU_WORKERS: 0 unless set).
 set -eu
 file=${1:?usage: cluster/render.sh FILE.yaml}
 table=$(dirname "$0")/instance-types.yaml
@@ -23,8 +25,10 @@ for group in HEAD GPU CPU; do
     export "${group}_POD_MEMORY=$(( $2 - ($2 > 40 ? ($2 + 9) / 10 : 4) ))Gi"
     [ "$group" = GPU ] && export GPU_POD_GPUS="$3"
 done
+export SPOT_GPU_WORKERS="${SPOT_GPU_WORKERS:-0}"
 if [ -n "${GPU_POD_GPUS:-}" ] && [ -n "${GPU_WORKERS:-}" ]; then
-    export TRAIN_WORKERS=$(( GPU_WORKERS * GPU_POD_GPUS ))
+    export TRAIN_WORKERS_MIN=$(( GPU_WORKERS * GPU_POD_GPUS ))
+    export TRAIN_WORKERS=$(( (GPU_WORKERS + SPOT_GPU_WORKERS) * GPU_POD_GPUS ))
 fi
 names=$(grep -o '\${[A-Z_][A-Z0-9_]*}' "$file" | sort -u | tr -d '${}')
 missing=""

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from mdc.registry import MASKED_OBJECTIVES, OBJECTIVES
 
@@ -104,8 +104,8 @@ class TrainConfig(_Section):
     global_batch_size: int | None = Field(
         None,
         ge=1,
-        description="the optimiser's batch; a multiple of "
-        "batch_size × num_workers (gradient accumulation); default their product",
+        description="the optimiser's batch; a multiple of batch_size × workers for every worker count "
+        "num_workers allows (gradient accumulation); default batch_size × the most workers",
     )
     activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward")
     compile: bool = Field(False, description="torch.compile each transformer block")
@@ -118,33 +118,90 @@ class TrainConfig(_Section):
     log_every: int = Field(20, ge=1)
     val_every: int = Field(200, ge=1)
     val_batches: int = Field(4, ge=1)
-    num_workers: int = Field(2, ge=1)
+    num_workers: int | tuple[int, int] = Field(
+        2,
+        description="training workers: N, or [MIN, MAX] for elastic training (Ray Train starts once MIN fit, "
+        "shrinks when a node goes, grows when nodes join; the global batch stays the same)",
+    )
+    workers_per_node: int = Field(
+        1,
+        ge=1,
+        description="elastic training on nodes of this many GPUs (one worker each): the group grows and "
+        "shrinks by whole nodes, so only multiples of it are worker counts the global batch must split over",
+    )
+    elastic_resize_monitor_interval_s: float = Field(
+        60.0, ge=0.0, description="elastic training: how often Ray Train looks for room to grow the group"
+    )
     use_gpu: bool = False
     cpus_per_worker: float = Field(0.5, gt=0.0)
+    resources_per_worker: dict[str, float] = Field(
+        {}, description="custom Ray resources each worker needs beside CPU/GPU, e.g. {spot_gpu_slot: 1}"
+    )
     max_failures: int = Field(2, ge=-1, description="worker-group restarts from the last checkpoint")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="how Ray places the workers on nodes: PACK fills few nodes, SPREAD one worker a node"
     )
 
+    @field_validator("num_workers", mode="after")
+    @classmethod
+    def _one_size_is_fixed(cls, value: int | tuple[int, int]) -> int | tuple[int, int]:
+        return value[0] if isinstance(value, tuple) and value[0] == value[1] else value  # [8, 8] is 8
+
+    @field_serializer("num_workers")
+    def _workers_as_yaml(self, value: int | tuple[int, int]) -> int | list[int]:
+        return value if isinstance(value, int) else list(value)  # YAML and MLflow take lists, not tuples
+
     @model_validator(mode="after")
-    def _global_batch(self) -> TrainConfig:
-        per_step = self.batch_size * self.num_workers
-        if self.global_batch_size is not None and self.global_batch_size % per_step:
+    def _workers_and_global_batch(self) -> TrainConfig:
+        low, high = self.min_workers, self.max_workers
+        if low < 1 or low > high:
+            raise ValueError(f"num_workers must be N >= 1 or [MIN, MAX] with 1 <= MIN <= MAX, got {self.num_workers}")
+        if self.elastic and (low % self.workers_per_node or high % self.workers_per_node):
             raise ValueError(
-                f"global_batch_size {self.global_batch_size} is not a multiple of batch_size × "
-                f"num_workers = {self.batch_size} × {self.num_workers} = {per_step}"
+                f"num_workers {list(self.num_workers)} must run from whole nodes to whole nodes: MIN and MAX "
+                f"multiples of workers_per_node {self.workers_per_node}"
+            )
+        bad = [n for n in self.worker_counts if self.global_batch % (self.batch_size * n)]
+        if bad:
+            raise ValueError(
+                f"global_batch_size {self.global_batch} is not a multiple of batch_size × workers for "
+                f"{', '.join(f'{n} workers ({self.batch_size} × {n} = {self.batch_size * n})' for n in bad)}; "
+                f"num_workers {self.num_workers} allows each of {', '.join(map(str, self.worker_counts))}"
             )
         return self
 
     @property
-    def global_batch(self) -> int:
-        """Pairs per optimiser step."""
-        return self.global_batch_size or self.batch_size * self.num_workers
+    def worker_counts(self) -> list[int]:
+        """Every group size Ray Train may run: N, or each whole number of nodes in [MIN, MAX]."""
+        return list(range(self.min_workers, self.max_workers + 1, self.workers_per_node if self.elastic else 1))
 
     @property
-    def accumulation_steps(self) -> int:
-        """Micro-batches per worker per optimiser step."""
-        return self.global_batch // (self.batch_size * self.num_workers)
+    def elastic(self) -> bool:
+        return not isinstance(self.num_workers, int)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+
+    @property
+    def global_batch(self) -> int:
+        """Pairs per optimiser step, whatever the number of workers."""
+        return self.global_batch_size or self.batch_size * self.max_workers
+
+    def accumulation_steps(self, workers: int) -> int:
+        """Micro-batches per worker per optimiser step when `workers` train; a group size the
+        global batch does not split over (a node with fewer GPUs than workers_per_node) is an error."""
+        if self.global_batch % (self.batch_size * workers):
+            raise ValueError(
+                f"a group of {workers} workers cannot keep global_batch_size {self.global_batch}: not a multiple of "
+                f"batch_size × workers = {self.batch_size * workers} (num_workers {self.num_workers}, "
+                f"workers_per_node {self.workers_per_node}: a node with fewer GPUs than that?)"
+            )
+        return self.global_batch // (self.batch_size * workers)
 
 
 class EvalConfig(_Section):

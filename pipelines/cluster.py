@@ -13,26 +13,20 @@ helpers live.
 - `on_driver_node`: the scheduling strategy that keeps a driver-side actor (progress channel,
   bad-record ledger, passed-over shards) on the driver's node: a lost worker node must not take
   them along, since the run they serve goes on.
-- `NodeLog`: a test callback recording on which node each rank trained, that can hold a rank at
-  a step until the test has done something to its node (tests/test_multinode.py).
 """
 
 from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeVar
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mdc.config import ConfigError, RunConfig, derive
-from pipelines.worker.callbacks import Callback
 
 READER_CPUS = 1.0  # what a run's ingest needs at least when data.ingest_cpus is not set: one reader
 EPS = 1e-9
@@ -49,7 +43,8 @@ def run_resources(cfg: RunConfig) -> dict[str, float]:
     """What one run holds while it trains: CPUs for its workers and its ingest, GPUs for its workers."""
     train = cfg.train
     ingest = cfg.data.ingest_cpus if cfg.data.ingest_cpus is not None else READER_CPUS
-    return {"CPU": train.num_workers * train.cpus_per_worker + ingest, "GPU": float(train.num_workers * train.use_gpu)}
+    workers = train.max_workers  # an elastic run grows to its largest group when it can
+    return {"CPU": workers * train.cpus_per_worker + ingest, "GPU": float(workers * train.use_gpu)}
 
 
 def fitting_runs(cfgs: Sequence[RunConfig], available: dict[str, float] | None = None) -> int:
@@ -82,11 +77,11 @@ def share_ingest(cfg: RunConfig, max_concurrent: int, cluster_cpus: float | None
     if max_concurrent <= 1 or cfg.data.ingest_cpus is not None:
         return cfg.data.ingest_cpus
     cpus = ray.cluster_resources().get("CPU", 0.0) if cluster_cpus is None else cluster_cpus
-    left = cpus / max_concurrent - cfg.train.num_workers * cfg.train.cpus_per_worker
+    left = cpus / max_concurrent - cfg.train.max_workers * cfg.train.cpus_per_worker
     if left < 0.01:
         raise ConfigError(
             f"--max-concurrent {max_concurrent}: {cpus:g} CPUs shared by {max_concurrent} runs leave no CPU for "
-            f"data ingest beside {cfg.train.num_workers} × {cfg.train.cpus_per_worker:g} CPUs of workers; "
+            f"data ingest beside {cfg.train.max_workers} × {cfg.train.cpus_per_worker:g} CPUs of workers; "
             "run fewer at once, or set data.ingest_cpus"
         )
     return math.floor(left * 100) / 100
@@ -132,39 +127,6 @@ def run_all(calls: dict[K, Callable[[], T]], max_concurrent: int) -> dict[K, T]:
         return {key: future.result() for key, future in futures.items()}
     finally:
         pool.shutdown(wait=False, cancel_futures=True)  # an interrupt leaves: the running runs' threads end with them
-
-
-# ------------------------------------------------------------------------------------- for tests
-
-
-@dataclass
-class NodeLog(Callback):
-    """Each rank appends "STEP NODE_ID" to DIRECTORY/rankR.txt at the first step its process trains
-    (so a restarted worker adds a line). With `hold_step`, rank `hold_rank` stops at the start of
-    that step once (DIRECTORY/held: its node id) and waits there until its node is removed; a hold
-    that lasts `hold_timeout_s` raises, so a test whose node removal never happens fails."""
-
-    directory: str
-    hold_step: int | None = None
-    hold_rank: int = 1
-    hold_timeout_s: float = 120.0
-    _started: bool = field(default=False, repr=False)
-
-    def step_start(self, step: int, rank: int) -> None:
-        node = ray.get_runtime_context().get_node_id()
-        if not self._started:
-            self._started = True
-            with open(Path(self.directory, f"rank{rank}.txt"), "a") as f:
-                f.write(f"{step} {node}\n")
-        held = Path(self.directory, "held")
-        if (step, rank) == (self.hold_step, self.hold_rank) and not held.exists():
-            held.write_text(node)
-            deadline = time.monotonic() + self.hold_timeout_s
-            while time.monotonic() < deadline:
-                time.sleep(0.2)
-            raise RuntimeError(
-                f"rank {rank} held at step {step} for {self.hold_timeout_s:g} s: its node was not removed"
-            )
 
 
 _LOCK = threading.Lock()

@@ -161,7 +161,7 @@ def write_report(workdir: Path, cfg, result, evaluation: dict, images, captions:
     curves = reports.curves_png(
         tracking.metric_history(tracking_uri, result.mlflow_run_id, reports.CURVES),
         workdir / "curves.png",
-        f"{cfg.name}: {cfg.train.steps} steps of {cfg.train.num_workers} x {cfg.train.batch_size}",
+        f"{cfg.name}: {cfg.train.steps} steps, global batch {cfg.train.global_batch}",
     )
     sections = [
         ("Training", reports.image_html(curves, "training and validation loss")),

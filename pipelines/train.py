@@ -18,7 +18,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from mdc.config import RunConfig
+from mdc.config import RunConfig, TrainConfig
 from mdc.data import shards, storage
 from mdc.models.captioner import PRESETS
 from mdc.train import checkpoint as ckpt
@@ -37,7 +37,7 @@ from pipelines.online_eval import OnlineEvaluator
 from pipelines.position import fingerprint
 from pipelines.runtime import absolute_paths, check_inputs
 from pipelines.worker.args import IngestActors, WorkerArgs
-from pipelines.worker.callbacks import Fault
+from pipelines.worker.callbacks import Callback, Fault
 from pipelines.worker.trainer import train_loop
 
 __all__ = ["Fault", "TrainSummary", "run_training", "storage_for"]  # Fault: the tests' fault injection
@@ -67,7 +67,7 @@ def storage_for(uri: str, endpoint_url: str | None):
 
 def run_training(
     cfg: RunConfig,
-    fault: Fault | None = None,
+    fault: Callback | None = None,
     parent_run_id: str | None = None,
     callbacks: list | None = None,
     channel=None,
@@ -77,7 +77,8 @@ def run_training(
     `parent_run_id` nests the MLflow run under a sweep; `callbacks` go to Ray Train (e.g. Tune's).
     `channel` (a progress.ProgressChannel) is given by a caller that shows several runs at once (a
     sweep); without one, the run draws its own progress display on the console.
-    `fault` and `trained_rows_dir` (where each rank writes the rows it trained on) are for tests."""
+    `fault` (a callback: fault injection, the worker-group log) and `trained_rows_dir` (where each
+    rank writes the rows it trained on) are for tests."""
     cfg = absolute_paths(cfg)
     check_inputs(cfg)
     own_display = channel is None
@@ -103,7 +104,7 @@ def log_training_report(cfg: RunConfig, summary: TrainSummary, reporter: progres
 
 def _train(
     cfg: RunConfig,
-    fault: Fault | None,
+    fault: Callback | None,
     parent_run_id: str | None,
     callbacks: list | None,
     channel,
@@ -111,7 +112,7 @@ def _train(
 ) -> TrainSummary:
     data = cfg.data
     driver = progress.Reporter(channel, cfg.name, cfg.train.steps)
-    driver.note(f"preparing data ({data.train_uri}) and {cfg.train.num_workers} training workers")
+    driver.note(f"preparing data ({data.train_uri}) and {workers_text(cfg.train)} training workers")
     mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
     run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id)
     actors, evaluator = _run_actors(cfg, mlflow_uri, run_id)
@@ -136,12 +137,7 @@ def _train(
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"args": args},
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.train.num_workers,
-            use_gpu=cfg.train.use_gpu,
-            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if cfg.train.use_gpu else {})},
-            placement_strategy=cfg.train.placement_strategy,
-        ),
+        scaling_config=scaling_config(cfg.train),
         run_config=ray.train.RunConfig(
             name=cfg.name,
             storage_path=storage_path,
@@ -163,6 +159,25 @@ def _train(
         raise
     online = _online_results(cfg, evaluator, driver)
     return _finish(cfg, mlflow_uri, run_id, run_dir, ray.get(actors.bad_records.get.remote()), driver, online)
+
+
+def scaling_config(train: TrainConfig) -> ray.train.ScalingConfig:
+    """The worker group: N workers, or with an elastic [MIN, MAX] as many as fit in that range."""
+    return ray.train.ScalingConfig(
+        num_workers=train.num_workers,
+        use_gpu=train.use_gpu,
+        resources_per_worker={
+            "CPU": train.cpus_per_worker,
+            **({"GPU": 1} if train.use_gpu else {}),
+            **train.resources_per_worker,
+        },
+        placement_strategy=train.placement_strategy,
+        elastic_resize_monitor_interval_s=train.elastic_resize_monitor_interval_s,
+    )
+
+
+def workers_text(train: TrainConfig) -> str:
+    return f"{train.min_workers} to {train.max_workers} (elastic)" if train.elastic else str(train.num_workers)
 
 
 def _run_actors(cfg: RunConfig, mlflow_uri: str, run_id: str):
@@ -193,7 +208,7 @@ def _datasets(cfg: RunConfig, actors: IngestActors, train_shards: list[str]) -> 
     workers) and val (a few batches, materialised) datasets."""
     data, size = cfg.data, image_size(cfg)
     ray.data.DataContext.get_current().enable_operator_progress_bars = False  # one bar per dataset
-    training_cpus = cfg.train.num_workers * cfg.train.cpus_per_worker
+    training_cpus = cfg.train.max_workers * cfg.train.cpus_per_worker  # room for the group at its largest
     cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
     resources = ingest_resources(
         cluster_cpus,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import boto3
 import pytest
+from helpers import LOCAL_RAY
 from moto.server import ThreadedMotoServer
 
 pytest_plugins = ["pytester"]  # tests/test_ci_rules.py runs these hooks on a throwaway suite
@@ -24,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
     """Mark every test that starts Ray, however it gets the cluster (directly or through a fixture),
     so that `-m "not ray"` leaves exactly the Ray-free tests."""
     for item in items:
-        if {"ray_cluster", "multinode"} & set(getattr(item, "fixturenames", ())):
+        if {"ray_cluster", "multinode", "one_trainer_node"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
 
 
@@ -77,7 +78,7 @@ def ray_cluster(s3_server):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_AUTH_MODE", "disabled")
         mp.delenv("RAY_ADDRESS", raising=False)
-        ray.init(num_cpus=2, object_store_memory=512 * 1024**2, include_dashboard=True)
+        ray.init(**LOCAL_RAY)
         yield
         ray.shutdown()
 

@@ -1,6 +1,10 @@
 """Stand-ins shared by several test files: one helper per idea."""
 
+import contextlib
 import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
@@ -39,15 +43,16 @@ class ConstantNLL(nn.Module):
 
 
 class LocalSession:
-    """Ray Train's side of the worker's `Trainer`, in this process: one rank, CPU, `steps` batches
-    of `batch` random 32-px images (with `same_images`, one batch repeated)."""
+    """Ray Train's side of the worker's `Trainer`, in this process: rank `rank` of `world_size`
+    (one, unless the test made a bigger gloo group), CPU, `steps` batches of `batch` random 32-px
+    images (with `same_images`, one batch repeated)."""
 
-    rank, world_size, device = 0, 1, torch.device("cpu")
+    device = torch.device("cpu")
 
-    def __init__(self, steps: int, batch: int = 4, same_images: bool = False):
+    def __init__(self, steps: int, batch: int = 4, same_images: bool = False, rank: int = 0, world_size: int = 1):
         from mdc.data.tokenizer import CaptionTokenizer
 
-        self.reports = []
+        self.rank, self.world_size, self.reports = rank, world_size, []
         tokens = torch.from_numpy(CaptionTokenizer(16).encode(["a red circle", "a small blue square"] * (batch // 2)))
         rng = np.random.default_rng(0)
         images = [torch.from_numpy(rng.integers(0, 255, (batch, 3, 32, 32), dtype=np.uint8)) for _ in range(steps)]
@@ -72,9 +77,10 @@ class LocalSession:
         self.reports.append(metrics)
 
 
-def local_trainer(tmp_path, steps: int, log_every: int, *overrides: str, same_images: bool = False):
-    """The real worker `Trainer` on a `LocalSession` (needs a one-process gloo group), writing
-    checkpoints and MLflow under `tmp_path`; `trainer.events` are its progress events."""
+def local_trainer(tmp_path, steps: int, log_every: int, *overrides: str, same_images: bool = False, session=None):
+    """The real worker `Trainer` on a `LocalSession` (needs a gloo group: one process unless
+    `session` says otherwise), writing checkpoints and MLflow under `tmp_path`; `trainer.events`
+    are its progress events."""
     from mdc.config import load_config
     from pipelines import tracking
     from pipelines.ingest import IngestResources
@@ -113,6 +119,49 @@ def local_trainer(tmp_path, steps: int, log_every: int, *overrides: str, same_im
         2,
         actors=None,
     )
-    trainer = Trainer(args, LocalSession(steps, same_images=same_images))
+    trainer = Trainer(args, session or LocalSession(steps, same_images=same_images))
     trainer.events = events
     return trainer
+
+
+LOCAL_RAY = {"num_cpus": 2, "object_store_memory": 512 * 1024**2, "include_dashboard": True}  # conftest's `ray_cluster`
+
+
+@contextlib.contextmanager
+def multinode_cluster(head_cpus: float, *nodes: dict):
+    """pipelines.local_cluster.local_cluster for a test module: the session's local Ray (conftest's
+    `ray_cluster`), if a test started it, is stopped first and started again after."""
+    import ray
+
+    from pipelines.local_cluster import local_cluster
+
+    had_local = ray.is_initialized()
+    if had_local:
+        ray.shutdown()
+    try:
+        with local_cluster(head_cpus, *nodes) as cluster:
+            yield cluster
+    finally:
+        if had_local:
+            ray.init(**LOCAL_RAY)
+
+
+def in_background(call: Callable, *args, **kwargs) -> Future:
+    """`call` in a driver thread, so that the main thread can add and remove nodes under it."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="driver")
+    future = pool.submit(call, *args, **kwargs)
+    pool.shutdown(wait=False)
+    return future
+
+
+def wait_until(condition: Callable[[], bool], run: Future, timeout_s: float, what: str) -> None:
+    """Polls `condition` until it holds; raises naming `what` when `timeout_s` passes first or the
+    run ends first (with the run's own error, if it had one)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if run.done():
+            error = run.exception()
+            raise AssertionError(f"the run ended before {what}" + (f": {error!r}" if error else "")) from error
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:g} s for {what}")
+        time.sleep(0.2)

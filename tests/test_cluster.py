@@ -36,6 +36,7 @@ TEST_VALUES = {
     "MLFLOW_URI": "http://mlflow.example.com:5000",
     "GPU_INSTANCE_TYPE": "p4d.24xlarge",
     "GPU_WORKERS": "1",
+    "SPOT_GPU_WORKERS": "1",
     "HEAD_INSTANCE_TYPE": "m5.2xlarge",
     "AWS_REGION": "us-west-2",
     "CPU_WORKERS": "3",
@@ -59,7 +60,9 @@ def derived(values: dict) -> dict:
         out[f"{group}_POD_CPU"] = str(row["vcpu"] - cpu)
         out[f"{group}_POD_MEMORY"] = f"{row['memory_gib'] - gib}Gi"
     out["GPU_POD_GPUS"] = str(INSTANCE_TYPES[values["GPU_INSTANCE_TYPE"]]["gpus"])
-    out["TRAIN_WORKERS"] = str(int(values["GPU_WORKERS"]) * int(out["GPU_POD_GPUS"]))
+    gpus, on_demand = int(out["GPU_POD_GPUS"]), int(values["GPU_WORKERS"])
+    out["TRAIN_WORKERS_MIN"] = str(on_demand * gpus)
+    out["TRAIN_WORKERS"] = str((on_demand + int(values.get("SPOT_GPU_WORKERS", 0))) * gpus)
     return out
 
 
@@ -213,20 +216,22 @@ def test_every_rendered_pod_fits_its_node_with_room_for_the_kubelet(path, gpu_ty
 
 @pytest.mark.parametrize("where", ["rayjob-pretrain.yaml", "scaling-cronjob.yaml (ConfigMap)"])
 @pytest.mark.parametrize("gpu_type", GPU_TYPES)
-def test_training_workers_are_one_per_gpu_and_fit_the_gpu_pod(where, gpu_type):
-    values = {**TEST_VALUES, "GPU_INSTANCE_TYPE": gpu_type}
+@pytest.mark.parametrize("spot", ["0", "1"])
+def test_training_workers_are_one_per_gpu_and_fit_the_gpu_pod(where, gpu_type, spot):
+    """One worker per GPU; with spot nodes, elastic from the on-demand GPUs to all of them by whole
+    nodes (the shipped configs' global batch splits over both sizes); without, a fixed count."""
+    values = {**TEST_VALUES, "GPU_INSTANCE_TYPE": gpu_type, "SPOT_GPU_WORKERS": spot}
     path = KUBERAY / ("rayjob-pretrain.yaml" if where.startswith("rayjob") else "scaling-cronjob.yaml")
     docs = by_kind([d for d in yaml.safe_load_all(render(path.read_text(), values)) if d])
     job = docs["RayJob"] if "RayJob" in docs else yaml.safe_load(docs["ConfigMap"]["data"]["rayjob.yaml"])
     tokens = shlex.split(job["spec"]["entrypoint"])
-    workers = (
-        int(tokens[tokens.index("--num-workers") + 1])
-        if "--num-workers" in tokens
-        else int(next(t for t in tokens if t.startswith("train.num_workers=")).split("=")[1])
-    )
-    sizes = derived(values)
-    assert workers == int(values["GPU_WORKERS"]) * INSTANCE_TYPES[gpu_type]["gpus"]
-    config = load_config(repo_path(tokens[tokens.index("--config") + 1]))
+    overrides = [t for t in tokens[2:] if "=" in t and not t.startswith("-")]
+    config = load_config(repo_path(tokens[tokens.index("--config") + 1]), overrides)
+    sizes, gpus = derived(values), INSTANCE_TYPES[gpu_type]["gpus"]
+    on_demand, spot = int(values["GPU_WORKERS"]), int(values["SPOT_GPU_WORKERS"])
+    counts = sorted({on_demand * gpus, (on_demand + spot) * gpus})
+    assert config.train.worker_counts == counts
+    assert config.train.num_workers == (tuple(counts) if spot else on_demand * gpus)
     if gpu_type != "g5.xlarge":  # 4 vCPUs: too few for a GPU's data loading; README names g5.2xlarge and up
         assert config.train.cpus_per_worker * int(sizes["GPU_POD_GPUS"]) <= int(sizes["GPU_POD_CPU"]), gpu_type
 
@@ -352,12 +357,14 @@ def test_aws_cluster_launcher_config_matches_rays_schema():
     types = config["available_node_types"]
     assert config["head_node_type"] in types
     assert isinstance(config["max_workers"], int)
-    assert set(types) == {config["head_node_type"], "gpu", "cpu"}
-    gpu, cpu = types["gpu"], types["cpu"]
-    assert gpu["node_config"]["InstanceType"] == TEST_VALUES["GPU_INSTANCE_TYPE"]
+    assert set(types) == {config["head_node_type"], "gpu", "gpu_spot", "cpu"}
+    gpu, spot, cpu = types["gpu"], types["gpu_spot"], types["cpu"]
+    assert gpu["node_config"]["InstanceType"] == spot["node_config"]["InstanceType"] == TEST_VALUES["GPU_INSTANCE_TYPE"]
+    assert spot["node_config"]["InstanceMarketOptions"] == {"MarketType": "spot"} and "InstanceMarketOptions" not in gpu
+    assert spot["min_workers"] == 0 and spot["max_workers"] == int(TEST_VALUES["SPOT_GPU_WORKERS"])
     assert cpu["node_config"]["InstanceType"] == TEST_VALUES["CPU_INSTANCE_TYPE"]
     assert cpu["min_workers"] == cpu["max_workers"] == int(TEST_VALUES["CPU_WORKERS"])  # up before training
-    assert gpu["max_workers"] + cpu["max_workers"] <= config["max_workers"]
+    assert gpu["max_workers"] + spot["max_workers"] + cpu["max_workers"] <= config["max_workers"]
     assert config["docker"]["image"] == TEST_VALUES["IMAGE"]
 
 

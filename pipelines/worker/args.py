@@ -7,7 +7,7 @@ from typing import Any
 
 from mdc.config import RunConfig
 from pipelines.ingest import IngestResources
-from pipelines.worker.callbacks import Fault
+from pipelines.worker.callbacks import Callback
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,6 @@ class WorkerArgs:
     shard_list_id: str  # position.fingerprint of the sorted shard list
     num_shards: int
     actors: IngestActors | None  # None: no ingest actors (a run outside Ray Data, e.g. a test)
-    fault: Fault | None = None  # tests: stop a worker once
+    fault: Callback | None = None  # tests: stop a worker once, log the worker groups
     trained_rows_dir: str | None = None  # tests: where each rank writes the rows it trained on
     online_evaluator: Any = None  # online_eval.OnlineEvaluator when eval.probe_every / compositionality_every

@@ -1,10 +1,11 @@
 """Optional hooks the trainer calls at fixed points, instead of branches in its loop: fault
-injection and row recording, both for tests."""
+injection, row recording and worker-group logging, all for tests."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -61,3 +62,40 @@ class RowRecorder(Callback):
     def trained(self, step: int, epoch: int, rank: int, batch: dict) -> None:
         with open(Path(self.directory, f"rank{rank}.txt"), "a") as f:
             f.writelines(f"{epoch} {step} {s} {r}\n" for s, r in zip(batch["shard"].tolist(), batch["row"].tolist()))
+
+
+@dataclass
+class GroupLog(Callback):
+    """For the multi-node tests: each rank appends "STEP WORLD_SIZE NODE_ID" to DIRECTORY/rankR.txt
+    at the first step its process trains, so every worker group (a restart, a resize) adds a line.
+    At each of `holds`, (world size, step, rank), that rank stops once (DIRECTORY/held_W_S holds
+    its node id) and waits for the test to change the cluster under it, which ends the group; a
+    hold that lasts `timeout_s` raises, so a test whose node change never comes fails."""
+
+    directory: str
+    holds: tuple[tuple[int, int, int], ...] = ()
+    timeout_s: float = 300.0
+    _started: bool = field(default=False, repr=False)
+
+    def step_start(self, step: int, rank: int) -> None:
+        import ray
+        import torch.distributed as dist
+
+        world, node = dist.get_world_size(), ray.get_runtime_context().get_node_id()
+        if not self._started:
+            self._started = True
+            with open(Path(self.directory, f"rank{rank}.txt"), "a") as f:
+                f.write(f"{step} {world} {node}\n")
+        held = Path(self.directory, f"held_{world}_{step}")
+        if (world, step, rank) in self.holds and not held.exists():
+            held.write_text(node)
+            time.sleep(self.timeout_s)
+            raise RuntimeError(
+                f"rank {rank} of {world} held at step {step} for {self.timeout_s:g} s: no node came or went"
+            )
+
+
+def group_lines(directory: str | Path, rank: int) -> list[tuple[int, int, str]]:
+    """(first step, world size, node id) of each process that `rank` ran in, in order (GroupLog)."""
+    rows = Path(directory, f"rank{rank}.txt").read_text().split("\n")
+    return [(int(step), int(world), node) for step, world, node in (row.split() for row in rows if row)]

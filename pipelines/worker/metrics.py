@@ -82,6 +82,14 @@ class MetricsLogger:
             self.mlflow.log({"resumed_from_step": step, "resumed_param_norm": param_norm}, step)
             self.mlflow.set_tag("resumed_from", uri)
 
+    def workers(self, step: int, now: int, before: int | None) -> None:
+        """The group's size from `step` on (MLflow's `workers`); a change from the checkpoint's
+        (an elastic group that grew or shrank) is said on the console."""
+        if self.mlflow is not None:
+            self.mlflow.log({"workers": now}, step)
+        if before is not None and before != now:
+            self.note(f"workers {before} → {now} at step {step}")
+
     def note(self, text: str) -> None:
         if self.reporter is not None:
             self.reporter.note(text)

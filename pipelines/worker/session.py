@@ -22,7 +22,7 @@ class RaySession:
         moves the model's inputs without waiting (non_blocking) and tallies the tags where they are."""
         tc = self.cfg.train
         return self.train.iter_torch_batches(
-            batch_size=tc.batch_size * tc.accumulation_steps,
+            batch_size=tc.batch_size * tc.accumulation_steps(self.world_size),
             drop_last=True,
             device="cpu",
             pin_memory=tc.use_gpu,

@@ -25,6 +25,7 @@ from pipelines.worker.session import RaySession
 from pipelines.worker.validator import Validator
 
 
+@torch.no_grad()
 def param_norm(model) -> float:
     """L2 norm of all parameters, summed over the FSDP shards (collective)."""
     local = sum(
@@ -42,6 +43,7 @@ class Trainer:
     def __init__(self, args: WorkerArgs, session):
         cfg, tc = args.cfg, args.cfg.train
         self.cfg, self.session, self.rank, self.device = cfg, session, session.rank, session.device
+        self.accumulation = tc.accumulation_steps(session.world_size)  # the global batch, whatever the group's size
         torch.manual_seed(tc.seed)  # identical initial weights on every rank before sharding
         self.model = build_model(cfg, CaptionTokenizer).to(self.device)
         prepare_model(
@@ -67,7 +69,7 @@ class Trainer:
             cfg.data.stall_timeout_s,
             self.rank,
             args.ingest,
-            tc.num_workers * tc.cpus_per_worker,
+            session.world_size * tc.cpus_per_worker,
         )
         self.cursor = DataCursor(
             session.train_batches,
@@ -77,7 +79,7 @@ class Trainer:
             args.num_shards,
             tc.seed,
             self.rank,
-            f"batch of {tc.batch_size * tc.accumulation_steps} in {cfg.data.train_uri}",
+            f"batch of {tc.batch_size * self.accumulation} in {cfg.data.train_uri}",
         )
         sinks = (
             rank0_sinks(args.mlflow_uri, args.mlflow_run_id, args.progress, cfg.name, tc.steps)
@@ -95,6 +97,7 @@ class Trainer:
         if uri is not None:
             self.step = state["step"]
             self.metrics.resumed(self.step, uri, param_norm(self.model))
+        self.metrics.workers(self.step, self.session.world_size, state and state.get("workers"))
 
     def train(self) -> None:
         while self.step < self.cfg.train.steps:
@@ -120,7 +123,7 @@ class Trainer:
             self.cfg.optim.grad_clip,
             noise,
             self.ema,
-            micro_batches=self.cfg.train.accumulation_steps,
+            micro_batches=self.accumulation,
         )
         for callback in self.callbacks:
             callback.trained(step, self.cursor.epoch, self.rank, batch)
@@ -144,7 +147,8 @@ class Trainer:
         saving = self.checkpointer.due(step)
         if saving:
             self.checkpointer.save(
-                {"step": step, "epoch": self.cursor.epoch, "metrics": logged}, self.cursor.state(self.device)
+                {"step": step, "epoch": self.cursor.epoch, "workers": self.session.world_size, "metrics": logged},
+                self.cursor.state(self.device),
             )
         self.session.report(logged)
         if saving:

@@ -1,0 +1,54 @@
+"""A multi-node Ray cluster on this machine, for the tests and benchmarks whose nodes come and go:
+Ray's own harness (`ray.cluster_utils.Cluster`) starts a head and worker nodes, each its own
+raylet with its own resources, as Ray tests itself.
+
+Ray starts and removes nodes only from the main thread (a node's start installs signal
+handlers: from another thread `add_node` raises "signal only works in main thread"), so a test
+that changes the cluster under a run trains in a driver thread and changes nodes from the main one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import ray
+
+from pipelines import ray_private
+
+OBJECT_STORE = 200 * 1024**2  # per node: the tests' datasets are a few MB
+
+
+def add_node(cluster, **node):
+    """A worker node with `node`'s resources (Cluster.add_node's arguments: num_cpus, resources,
+    ...), up before this returns (main thread only)."""
+    added = cluster.add_node(object_store_memory=OBJECT_STORE, **node)
+    cluster.wait_for_nodes(timeout=60)
+    return added
+
+
+@contextlib.contextmanager
+def local_cluster(head_cpus: float, *nodes: dict) -> Iterator:
+    """A head with `head_cpus` CPUs (the driver's node) and one worker node for each of `nodes`
+    (add_node's arguments), connected; after, Ray is shut down and the current-cluster file that
+    the head writes (as `ray start` does) removed, so that a later `mdc` command does not try to
+    join a cluster that is gone."""
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": head_cpus, "object_store_memory": OBJECT_STORE, "include_dashboard": False},
+        connect=False,
+    )
+    try:
+        for node in nodes:
+            add_node(cluster, **node)
+        ray.init(address=cluster.address)
+        yield cluster
+    finally:
+        ray.shutdown()
+        address = cluster.address
+        cluster.shutdown()
+        ray_private.forget_recorded_address(address)

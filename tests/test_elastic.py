@@ -1,0 +1,95 @@
+"""Elastic training (`train.num_workers: [MIN, MAX]`) on Ray's multi-node harness on this machine:
+a head (the driver's node, one CPU for ingest) and worker nodes that each advertise one `trainer`
+resource, the one custom resource a worker needs (`train.resources_per_worker`), so a node holds
+one worker and the head none.
+
+The run starts on one trainer node with 1 of [1, 2] workers; at step 4 the test adds a second
+node and the group grows to 2 from checkpoint 3; at step 8 the test removes it and the group goes
+on with 1 from checkpoint 6, to the end. The global batch is the same throughout (16 pairs: 2
+micro-batches of 8 on one worker, 1 on each of two).
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import in_background, multinode_cluster, wait_until
+from mlflow.tracking import MlflowClient
+
+from mdc.config import load_config
+from mdc.data.img2dataset import generated_rows, write_img2dataset_folder
+from mdc.train import checkpoint as ckpt
+from pipelines import tracking
+from pipelines.local_cluster import add_node
+from pipelines.worker.callbacks import GroupLog, group_lines
+
+pytestmark = pytest.mark.ray
+TRAINER_NODE = {"num_cpus": 1, "resources": {"trainer": 1}}
+
+
+@pytest.fixture(scope="module")
+def one_trainer_node():
+    with multinode_cluster(1, TRAINER_NODE) as cluster:
+        yield cluster
+
+
+@pytest.mark.timeout(900)  # ~3 min alone (three worker groups start), more on a loaded machine
+def test_an_elastic_group_grows_when_a_node_joins_and_shrinks_when_it_goes(one_trainer_node, tmp_path, capsys):
+    from pipelines.train import run_training
+
+    def checkpoint(step: int):
+        return ckpt.checkpoint_dir(str(tmp_path / "ckpt" / "elastic"), step)
+
+    data = tmp_path / "data"
+    write_img2dataset_folder(
+        generated_rows(128, image_size=32, failed_every=0), str(data), "webdataset", samples_per_shard=16
+    )
+    cfg = load_config(
+        None,
+        [
+            "name=elastic",
+            f"storage_uri={tmp_path / 'ckpt'}",
+            f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"data.train_uri={data}",
+            "data.val_uri=null",
+            "data.max_length=16",
+            "data.shuffle_buffer=0",
+            "data.ingest_cpus=0.5",
+            "train.num_workers=[1,2]",
+            "train.batch_size=8",
+            "train.global_batch_size=16",
+            "train.cpus_per_worker=0.5",
+            "train.resources_per_worker={trainer: 1}",
+            "train.elastic_resize_monitor_interval_s=2",
+            "train.steps=12",
+            "train.checkpoint_every=3",
+            "train.keep_checkpoints=10",
+            "train.log_every=1",
+            "train.max_failures=3",
+            "optim.warmup_steps=1",
+        ],
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    run = in_background(run_training, cfg, fault=GroupLog(str(logs), holds=((1, 4, 0), (2, 8, 0))))
+    wait_until(lambda: (logs / "held_1_4").exists(), run, 420, "the group of 1 to hold at step 4")
+    added = add_node(one_trainer_node, **TRAINER_NODE)
+    wait_until(lambda: (logs / "held_2_8").exists(), run, 420, "a group of 2 to hold at step 8")
+    wait_until(lambda: ckpt.problem(str(checkpoint(6))) is None, run, 60, "checkpoint 6 to be complete")
+    one_trainer_node.remove_node(added, allow_graceful=False)  # as a spot preemption would
+    assert not run.done()  # both node changes came mid-run
+    summary = run.result(timeout=600)
+
+    # Three groups: 1 worker from step 1, 2 from checkpoint 3, 1 again from checkpoint 6.
+    assert [(step, world) for step, world, _ in group_lines(logs, 0)] == [(1, 1), (4, 2), (7, 1)]
+    assert [(step, world) for step, world, _ in group_lines(logs, 1)] == [(4, 2)]
+    history = tracking.metric_history(cfg.mlflow_uri, summary.mlflow_run_id, ["workers", "resumed_from_step"])
+    assert history["workers"] == [(0, 1.0), (3, 2.0), (6, 1.0)]
+    assert [v for _, v in history["resumed_from_step"]] == [3, 6]
+    output = capsys.readouterr().out
+    assert "workers 1 → 2 at step 3" in output and "workers 2 → 1 at step 6" in output
+
+    record = MlflowClient(cfg.mlflow_uri).get_run(summary.mlflow_run_id)
+    assert record.info.status == "FINISHED" and summary.metrics["step"] == 12
+    losses = MlflowClient(cfg.mlflow_uri).get_metric_history(summary.mlflow_run_id, "loss")
+    assert sorted({m.step for m in losses}) == list(range(1, 13))
+    assert ckpt.problem(str(checkpoint(12))) is None
