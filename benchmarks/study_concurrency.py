@@ -1,8 +1,9 @@
 """A 4-run study (2 arms × 2 seeds) one run at a time and with --max-concurrent 2, on Ray's
 multi-node harness on this machine: a head with no CPU (the driver's node) and two 1-CPU worker
-nodes. Each run is one 0.5-CPU training worker beside its ingest (0.5 CPU when two share the
-cluster), so two runs fill the 2 cores without oversubscribing them. Reports both wall times,
-their ratio (goal ≤ 0.6) and whether every run's final loss is the same both ways (same seeds).
+nodes. Each run is one 0.5-CPU training worker beside a 0.5-CPU reader, so two runs fill the 2
+cores without oversubscribing them, and each run reads its rows in the same order both ways.
+Reports both wall times, their ratio (goal ≤ 0.6) and whether every run's final loss is the same
+both ways (same seeds).
 
     python -m benchmarks.study_concurrency [--steps 20] [--out runs/bench-study-concurrency]
 """
@@ -10,67 +11,42 @@ their ratio (goal ≤ 0.6) and whether every run's final loss is the same both w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 
-import ray
 import yaml
 
-from pipelines import ray_private
+from pipelines.local_cluster import local_cluster
 
 
-def plan(path: Path, steps: int) -> Path:
+def one_worker_runs(path: Path, name: str, steps: int, images: int, log_every: int) -> Path:
+    """A study plan of 2 arms × 2 seeds of one 0.5-CPU worker each, on `images` generated shapes,
+    judged on the training loss alone (also tests/test_multinode.py's)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "name": "bench",
-                "seeds": [0, 1],
-                "datasets": {"shapes": {"kind": "shapes", "num": 400}},
-                "budget": {
-                    "data.max_length": 16,
-                    "data.val_uri": None,
-                    "train.steps": steps,
-                    "train.batch_size": 8,
-                    "train.num_workers": 1,
-                    "train.cpus_per_worker": 0.5,
-                    "train.log_every": steps,
-                    "train.checkpoint_every": steps,
-                    "optim.warmup_steps": 1,
-                },
-                "arms": {"mdc": {"objective.name": "mdc"}, "cmlm": {"objective.name": "cmlm"}},
-                "evaluations": {"probe": False, "compositionality": False, "caption_lengths": []},
-                "claims": [{"name": "losses differ", "metric": "final_loss", "arm_a": "mdc", "arm_b": "cmlm"}],
-            }
-        )
-    )
+    plan = {
+        "name": name,
+        "seeds": [0, 1],
+        "datasets": {"shapes": {"kind": "shapes", "num": images}},
+        "budget": {
+            "data.max_length": 16,
+            "data.val_uri": None,
+            "data.ingest_cpus": 0.5,  # one reader at a time, whatever the concurrency: rows in one order
+            "train.steps": steps,
+            "train.batch_size": 8,
+            "train.num_workers": 1,
+            "train.cpus_per_worker": 0.5,
+            "train.log_every": log_every,
+            "train.checkpoint_every": steps,
+            "optim.warmup_steps": 1,
+        },
+        "arms": {"mdc": {"objective.name": "mdc"}, "cmlm": {"objective.name": "cmlm"}},
+        "evaluations": {"probe": False, "compositionality": False, "caption_lengths": []},
+        "claims": [{"name": "losses differ", "metric": "final_loss", "arm_a": "mdc", "arm_b": "cmlm"}],
+    }
+    path.write_text(yaml.safe_dump(plan))
     return path
-
-
-@contextlib.contextmanager
-def harness(nodes: int = 2, cpus: int = 1):
-    """Ray's multi-node test cluster on this machine, connected; its current-cluster file removed after."""
-    from ray.cluster_utils import Cluster
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 200 * 1024**2}, connect=False
-    )
-    for _ in range(nodes):
-        cluster.add_node(num_cpus=cpus, object_store_memory=200 * 1024**2)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        address = cluster.address
-        cluster.shutdown()
-        ray_private.forget_recorded_address(address)
 
 
 def timed_study(plan_path: Path, out: Path, max_concurrent: int) -> tuple[float, dict[str, float]]:
@@ -92,8 +68,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench-study-concurrency"))
     args = parser.parse_args()
     out = args.out.resolve()
-    plan_path = plan(out / "plan.yaml", args.steps)
-    with harness():
+    plan_path = one_worker_runs(out / "plan.yaml", "bench", args.steps, images=400, log_every=args.steps)
+    with local_cluster(0, {"num_cpus": 1}, {"num_cpus": 1}):
         from pipelines.study import load_plan, prepare_data  # the shapes data once, outside both timings
 
         prepare_data(load_plan(plan_path), out / "shared")

@@ -124,6 +124,21 @@ def local_trainer(tmp_path, steps: int, log_every: int, *overrides: str, same_im
     return trainer
 
 
+def run_overrides(tmp_path, name: str, data) -> list[str]:
+    """A small run on `data` (tar shards of 32-px images) with its checkpoints and MLflow store
+    under `tmp_path`, no validation set, shards in order, half a CPU for ingest."""
+    return [
+        f"name={name}",
+        f"storage_uri={tmp_path / 'ckpt'}",
+        f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"data.train_uri={data}",
+        "data.val_uri=null",
+        "data.max_length=16",
+        "data.shuffle_buffer=0",
+        "data.ingest_cpus=0.5",
+    ]
+
+
 LOCAL_RAY = {"num_cpus": 2, "object_store_memory": 512 * 1024**2, "include_dashboard": True}  # conftest's `ray_cluster`
 
 

@@ -6,13 +6,14 @@ one worker and the head none.
 The run starts on one trainer node with 1 of [1, 2] workers; at step 4 the test adds a second
 node and the group grows to 2 from checkpoint 3; at step 8 the test removes it and the group goes
 on with 1 from checkpoint 6, to the end. The global batch is the same throughout (16 pairs: 2
-micro-batches of 8 on one worker, 1 on each of two).
+micro-batches of 8 on one worker, 1 on each of two); 256 rows keep the 12 steps in epoch 0 (a new
+epoch restarts ingest, about a minute here).
 """
 
 from __future__ import annotations
 
 import pytest
-from helpers import in_background, multinode_cluster, wait_until
+from helpers import in_background, multinode_cluster, run_overrides, wait_until
 from mlflow.tracking import MlflowClient
 
 from mdc.config import load_config
@@ -41,19 +42,12 @@ def test_an_elastic_group_grows_when_a_node_joins_and_shrinks_when_it_goes(one_t
 
     data = tmp_path / "data"
     write_img2dataset_folder(
-        generated_rows(128, image_size=32, failed_every=0), str(data), "webdataset", samples_per_shard=16
+        generated_rows(256, image_size=32, failed_every=0), str(data), "webdataset", samples_per_shard=16
     )
     cfg = load_config(
         None,
         [
-            "name=elastic",
-            f"storage_uri={tmp_path / 'ckpt'}",
-            f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-            f"data.train_uri={data}",
-            "data.val_uri=null",
-            "data.max_length=16",
-            "data.shuffle_buffer=0",
-            "data.ingest_cpus=0.5",
+            *run_overrides(tmp_path, "elastic", data),
             "train.num_workers=[1,2]",
             "train.batch_size=8",
             "train.global_batch_size=16",

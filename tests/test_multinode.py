@@ -14,16 +14,18 @@ cluster: Ray adds and removes nodes only from the main thread.
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import ray
-import yaml
-from helpers import in_background, multinode_cluster, wait_until
+from helpers import in_background, multinode_cluster, run_overrides, wait_until
 from mlflow.tracking import MlflowClient
 
+from benchmarks.study_concurrency import one_worker_runs
 from mdc.config import load_config
 from mdc.data.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
 from mdc.train import checkpoint as ckpt
@@ -32,7 +34,7 @@ from pipelines.local_cluster import add_node
 from pipelines.worker.callbacks import GroupLog, group_lines
 
 pytestmark = pytest.mark.ray
-SHARDS, ROWS_PER_SHARD = 8, 16
+SHARDS, ROWS_PER_SHARD = 12, 16
 WORKER_NODE = {"num_cpus": 1}
 
 
@@ -42,9 +44,36 @@ def multinode():
         yield cluster
 
 
+def test_a_1_cpu_node_keeps_a_reader_process_between_tasks(multinode):
+    """With Ray's default soft limit, a 1-CPU node that also held a training worker killed each
+    idle task process a second after its task, so every read task paid a new process's imports
+    (pipelines/local_cluster.py); tasks 1.5 s apart now run in one process a node."""
+
+    @ray.remote(num_cpus=0.5, scheduling_strategy="SPREAD")
+    class Worker:  # as a training worker on each node
+        def ready(self) -> bool:
+            return True
+
+    @ray.remote(num_cpus=0.5)
+    def reader() -> tuple[str, int]:
+        import pipelines.ingest  # noqa: F401  (what a read task imports)
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    workers = [Worker.remote() for _ in range(2)]
+    assert all(ray.get([w.ready.remote() for w in workers]))
+    seen = []
+    for _ in range(4):
+        seen.append(ray.get(reader.remote()))
+        time.sleep(1.5)
+    del workers
+    assert len(set(seen)) == len({node for node, _ in seen}) <= 2, seen
+
+
 @pytest.fixture(scope="module")
 def damaged_data(tmp_path_factory) -> tuple[Path, dict]:
-    """8 tar shards of 16 rows; shard 0 with 3 bad records, the last cut in half."""
+    """12 tar shards of 16 rows; shard 0 with 3 bad records, the last cut in half: about 181 good
+    rows, 11 steps of 16, so a 9-step run stays in epoch 0 (a new epoch restarts ingest: ~1 min)."""
     root = tmp_path_factory.mktemp("multinode-data")
     write_img2dataset_folder(
         generated_rows(SHARDS * ROWS_PER_SHARD, image_size=32, failed_every=0),
@@ -56,8 +85,8 @@ def damaged_data(tmp_path_factory) -> tuple[Path, dict]:
 
 
 def spread_config(tmp_path: Path, name: str, data: Path, **train):
-    """Two 0.5-CPU workers, one a node, a 0.5-CPU reader: 9 steps, complete checkpoints at 3, 6, 9;
-    epoch 0 (about 112 rows) ends in step 7 or 8."""
+    """Two 0.5-CPU workers, one a node, a 0.5-CPU reader: 9 steps of epoch 0, complete checkpoints
+    at 3, 6, 9."""
     items = {
         "steps": 9,
         "checkpoint_every": 3,
@@ -70,14 +99,7 @@ def spread_config(tmp_path: Path, name: str, data: Path, **train):
     return load_config(
         None,
         [
-            f"name={name}",
-            f"storage_uri={tmp_path / 'ckpt'}",
-            f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-            f"data.train_uri={data}",
-            "data.val_uri=null",
-            "data.max_length=16",
-            "data.shuffle_buffer=0",
-            "data.ingest_cpus=0.5",
+            *run_overrides(tmp_path, name, data),
             "train.batch_size=8",
             "train.num_workers=2",
             "train.cpus_per_worker=0.5",
@@ -161,46 +183,23 @@ def test_losing_the_node_of_rank_1_resumes_on_a_replacement_like_an_uninterrupte
     skipped = {k: v for k, v in run_record.data.metrics.items() if k.startswith("skipped/")}
     assert skipped == {k: v for k, v in steady_run.data.metrics.items() if k.startswith("skipped/")}
 
-    # The data position: epoch 0 goes on without the shards checkpoint 6 had consumed, and trains
-    # every row the uninterrupted run's epoch 0 trained, none twice.
-    rows = trained_rows(tmp_path / "logs" / "rows")
+    # The data position (docs/training.md): epoch 0 goes on without the shards checkpoint 6 had
+    # consumed, in a new shard order, and only rows of shards in flight at the checkpoint are
+    # trained twice.
+    rows, steady_rows = trained_rows(tmp_path / "logs" / "rows"), trained_rows(steady_logs / "rows")
     consumed = {
         rank: set(json.loads((checkpoint_6 / f"extra_rank{rank}.json").read_text())["data_position"]["consumed"])
         for rank in (0, 1)
     }
     assert consumed[0] == consumed[1] and consumed[0]
-    after = {(shard, row) for epoch, step, shard, row in rows if epoch == 0 and step > 6}
-    assert not {shard for shard, _ in after} & consumed[0]
-    epoch0 = {(shard, row) for epoch, _, shard, row in rows if epoch == 0}
-    assert epoch0 == {(shard, row) for epoch, _, shard, row in trained_rows(steady_logs / "rows") if epoch == 0}
+    assert not {shard for epoch, step, shard, _ in rows if epoch == 0 and step > 6} & consumed[0]
+    assert {epoch for epoch, _, _, _ in rows + steady_rows} == {0}
+    trained = Counter((shard, row) for _, _, shard, row in rows)
+    assert not {shard for (shard, _), n in trained.items() if n > 1} & consumed[0]
+    assert len(rows) == len(steady_rows) == 9 * 16  # every step a full global batch
     assert Counter(step for _, step, _, _ in rows if step > 6) == Counter(
-        step for _, step, _, _ in trained_rows(steady_logs / "rows") if step > 6
-    )  # no step after the resume trained twice
-
-
-def concurrency_plan(path: Path, steps: int) -> Path:
-    """2 arms × 2 seeds of one 0.5-CPU worker each, no evaluation but the training loss."""
-    plan = {
-        "name": "pairs",
-        "seeds": [0, 1],
-        "datasets": {"shapes": {"kind": "shapes", "num": 200}},
-        "budget": {
-            "data.max_length": 16,
-            "data.val_uri": None,
-            "train.steps": steps,
-            "train.batch_size": 8,
-            "train.num_workers": 1,
-            "train.cpus_per_worker": 0.5,
-            "train.log_every": 3,
-            "train.checkpoint_every": steps,
-            "optim.warmup_steps": 1,
-        },
-        "arms": {"mdc": {"objective.name": "mdc"}, "cmlm": {"objective.name": "cmlm"}},
-        "evaluations": {"probe": False, "compositionality": False, "caption_lengths": []},
-        "claims": [{"name": "losses differ", "metric": "final_loss", "arm_a": "mdc", "arm_b": "cmlm"}],
-    }
-    path.write_text(yaml.safe_dump(plan))
-    return path
+        step for _, step, _, _ in steady_rows if step > 6
+    )
 
 
 def most_at_once(intervals: list[tuple[int, int]]) -> int:
@@ -231,7 +230,7 @@ def test_a_study_with_max_concurrent_2_trains_two_at_a_time(multinode, tmp_path,
     from pipelines.study import load_plan, run_study
 
     assert ray.cluster_resources()["CPU"] == 2  # two 1-CPU nodes (after the node-loss test, its replacement)
-    path = concurrency_plan(tmp_path / "plan.yaml", steps=12)
+    path = one_worker_runs(tmp_path / "plan.yaml", "pairs", steps=12, images=200, log_every=3)
     stop, placed = threading.Event(), []
     watcher = threading.Thread(target=count_worker_groups, args=(stop, placed), daemon=True)
     watcher.start()
