@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 
 import ray
+from ray.cluster_utils import Cluster
 
 from pipelines import ray_private
 
@@ -35,8 +36,6 @@ def local_cluster(head_cpus: float, *nodes: dict) -> Iterator:
     (add_node's arguments), connected; after, Ray is shut down and the current-cluster file that
     the head writes (as `ray start` does) removed, so that a later `mdc` command does not try to
     join a cluster that is gone."""
-    from ray.cluster_utils import Cluster
-
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # With Ray's default limit, a 1-CPU node killed each idle reader process a second after its
     # task, and the next task paid a new process's imports: 12 shards read by 12 processes in

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import ray
+import torch.distributed as dist
+
 
 class Callback:
     """The points a callback may act at; each does nothing unless overridden."""
@@ -78,9 +81,6 @@ class GroupLog(Callback):
     _started: bool = field(default=False, repr=False)
 
     def step_start(self, step: int, rank: int) -> None:
-        import ray
-        import torch.distributed as dist
-
         world, node = dist.get_world_size(), ray.get_runtime_context().get_node_id()
         if not self._started:
             self._started = True
