@@ -155,7 +155,10 @@ class TrainConfig(_Section):
     def _workers_and_global_batch(self) -> TrainConfig:
         low, high = self.min_workers, self.max_workers
         if low < 1 or low > high:
-            raise ValueError(f"num_workers must be N >= 1 or [MIN, MAX] with 1 <= MIN <= MAX, got {self.num_workers}")
+            raise ValueError(
+                "num_workers must be N >= 1 or [MIN, MAX] with 1 <= MIN <= MAX, "
+                f"got {self._workers_as_yaml(self.num_workers)}"
+            )
         if self.elastic and (low % self.workers_per_node or high % self.workers_per_node):
             raise ValueError(
                 f"num_workers {list(self.num_workers)} must run from whole nodes to whole nodes: MIN and MAX "
@@ -166,7 +169,8 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"global_batch_size {self.global_batch} is not a multiple of batch_size × workers for "
                 f"{', '.join(f'{n} workers ({self.batch_size} × {n} = {self.batch_size * n})' for n in bad)}; "
-                f"num_workers {self.num_workers} allows each of {', '.join(map(str, self.worker_counts))}"
+                f"num_workers {self._workers_as_yaml(self.num_workers)} allows each of "
+                f"{', '.join(map(str, self.worker_counts))}"
             )
         return self
 
@@ -198,7 +202,8 @@ class TrainConfig(_Section):
         if self.global_batch % (self.batch_size * workers):
             raise ValueError(
                 f"a group of {workers} workers cannot keep global_batch_size {self.global_batch}: not a multiple of "
-                f"batch_size × workers = {self.batch_size * workers} (num_workers {self.num_workers}, "
+                f"batch_size × workers = {self.batch_size * workers} "
+                f"(num_workers {self._workers_as_yaml(self.num_workers)}, "
                 f"workers_per_node {self.workers_per_node}: a node with fewer GPUs than that?)"
             )
         return self.global_batch // (self.batch_size * workers)

@@ -109,10 +109,10 @@ def test_an_elastic_range_keeps_the_global_batch_for_every_worker_count(tmp_path
     assert load_config(tmp_path / "run.yaml").train.num_workers == (1, 4)
     with pytest.raises(
         ConfigError,
-        match=r"for 3 workers \(4 × 3 = 12\), 4 workers \(4 × 4 = 16\); num_workers \(2, 4\) allows each of 2, 3, 4",
+        match=r"for 3 workers \(4 × 3 = 12\), 4 workers \(4 × 4 = 16\); num_workers \[2, 4\] allows each of 2, 3, 4",
     ):
         load_config(None, ["train.batch_size=4", "train.num_workers=[2,4]", "train.global_batch_size=8"])
-    with pytest.raises(ConfigError, match=r"1 <= MIN <= MAX, got \(3, 2\)"):
+    with pytest.raises(ConfigError, match=r"1 <= MIN <= MAX, got \[3, 2\]"):
         load_config(None, ["train.num_workers=[3,2]"])
     with pytest.raises(ValueError, match=r"a group of 5 workers cannot keep global_batch_size 48"):
         cfg.train.accumulation_steps(5)  # what a worker says if Ray Train ever runs a size outside the range
@@ -125,7 +125,7 @@ def test_an_elastic_range_over_multi_gpu_nodes_counts_whole_nodes():
     cfg = load_config(None, [*nodes, "train.num_workers=[8,16]"])
     assert cfg.train.worker_counts == [8, 16] and [cfg.train.accumulation_steps(n) for n in (8, 16)] == [8, 4]
     with pytest.raises(
-        ConfigError, match=r"for 24 workers \(128 × 24 = 3072\); num_workers \(8, 24\) allows each of 8, 16, 24"
+        ConfigError, match=r"for 24 workers \(128 × 24 = 3072\); num_workers \[8, 24\] allows each of 8, 16, 24"
     ):
         load_config(None, [*nodes, "train.num_workers=[8,24]"])
     with pytest.raises(ConfigError, match=r"MIN and MAX multiples of workers_per_node 8"):
