@@ -43,7 +43,7 @@ def local_cluster(head_cpus: float, *nodes: dict) -> Iterator:
     os.environ.setdefault("RAY_num_workers_soft_limit", IDLE_WORKERS_KEPT)
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": head_cpus, "object_store_memory": OBJECT_STORE, "include_dashboard": False},
+        head_node_args={"num_cpus": head_cpus, "object_store_memory": OBJECT_STORE, "include_dashboard": True},
         connect=False,
     )
     try:
