@@ -80,6 +80,7 @@ def test_an_elastic_group_grows_when_a_node_joins_and_shrinks_when_it_goes(one_t
     assert history["workers"] == [(0, 1.0), (3, 2.0), (6, 1.0)]
     assert [v for _, v in history["resumed_from_step"]] == [3, 6]
     output = capsys.readouterr().out
+    assert "elastic: 1 worker from step 0" in output
     assert "workers 1 → 2 at step 3" in output and "workers 2 → 1 at step 6" in output
 
     record = MlflowClient(cfg.mlflow_uri).get_run(summary.mlflow_run_id)

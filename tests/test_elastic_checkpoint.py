@@ -65,7 +65,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_with_the_same_state(gloo_proce
     assert one_rank.keys() == two_ranks.keys() and any(".exp_avg" in k for k in one_rank)
     for name, value in two_ranks.items():
         assert torch.equal(one_rank[name], value), name
-    assert any(e.get("text") == "workers 2 → 1 at step 6" for e in resumed.events), resumed.events
+    assert [e["text"] for e in resumed.events if "worker" in e.get("text", "")] == ["workers 2 → 1 at step 6"]
 
     resumed.train()
     assert resumed.step == 8 and [r["step"] for r in session.reports] == [7, 8]

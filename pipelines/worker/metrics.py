@@ -82,13 +82,15 @@ class MetricsLogger:
             self.mlflow.log({"resumed_from_step": step, "resumed_param_norm": param_norm}, step)
             self.mlflow.set_tag("resumed_from", uri)
 
-    def workers(self, step: int, now: int, before: int | None) -> None:
-        """The group's size from `step` on (MLflow's `workers`); a change from the checkpoint's
-        (an elastic group that grew or shrank) is said on the console."""
+    def workers(self, step: int, now: int, before: int | None, elastic: bool) -> None:
+        """The group's size from `step` on (MLflow's `workers`); an elastic group's first size, and
+        a change from the checkpoint's (a group that grew or shrank), are said on the console."""
         if self.mlflow is not None:
             self.mlflow.log({"workers": now}, step)
         if before is not None and before != now:
             self.note(f"workers {before} → {now} at step {step}")
+        elif before is None and elastic:
+            self.note(f"{now} worker{'' if now == 1 else 's'} from step {step}")
 
     def note(self, text: str) -> None:
         if self.reporter is not None:

@@ -97,7 +97,7 @@ class Trainer:
         if uri is not None:
             self.step = state["step"]
             self.metrics.resumed(self.step, uri, param_norm(self.model))
-        self.metrics.workers(self.step, self.session.world_size, state and state.get("workers"))
+        self.metrics.workers(self.step, self.session.world_size, state and state.get("workers"), self.cfg.train.elastic)
 
     def train(self) -> None:
         while self.step < self.cfg.train.steps:
