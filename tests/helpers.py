@@ -124,6 +124,19 @@ def local_trainer(tmp_path, steps: int, log_every: int, *overrides: str, same_im
     return trainer
 
 
+def same_under_meta_default_device(cases) -> None:
+    """Each case (a no-argument call) gives the same tensors, on the same device, when torch's
+    default device is "meta": the math makes its tensors on its inputs' device, not the default
+    (which would come back on "meta", with no values)."""
+    for case in cases:
+        expected = torch.utils._pytree.tree_leaves(case())
+        with torch.device("meta"):
+            values = torch.utils._pytree.tree_leaves(case())
+        assert len(values) == len(expected)
+        for value, plain in zip(values, expected):
+            assert value.device == plain.device and torch.equal(value, plain)
+
+
 def run_overrides(tmp_path, name: str, data) -> list[str]:
     """A small run on `data` (tar shards of 32-px images) with its checkpoints and MLflow store
     under `tmp_path`, no validation set, shards in order, half a CPU for ingest."""

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ConstantNLL
+from helpers import ConstantNLL, same_under_meta_default_device
 from torch import nn
 
 from mdc import ddcap
@@ -17,6 +17,7 @@ from mdc.evaluation.captioning import CaptionImage
 from mdc.evaluation.infilling import evaluate_infilling, mask_span
 from mdc.models.cdlm import alpha_bar
 from mdc.objectives.cdlm import continuous_diffusion_loss
+from mdc.objectives.clip import clip_loss
 from mdc.objectives.masked import masked_diffusion_loss
 from mdc.registry import build_model, compute_loss, write_captions
 from mdc.sampling import sample_continuous, sample_masked
@@ -283,6 +284,43 @@ def test_cdlm_sampler_refines_five_times_then_rounds(monkeypatch):
     out = sample_continuous(model, images(2), length=7, generator=torch.Generator().manual_seed(0))
     assert out.shape == (2, 7) and (out < MASK).all()  # rounded to real tokens: never [MASK] or pad
     assert calls == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
+
+
+@torch.no_grad()
+def test_cdlm_sampler_renoises_each_prediction_with_the_generators_noise(monkeypatch):
+    """By hand: x ~ N(0, I) from the generator, then per pass x̂0 = f(x, t_i) and x ← √ᾱ·x̂0 + √(1 − ᾱ)·ε
+    at t_{i+1} with the generator's next ε; the tokens round the last x̂0 (the input tokens are
+    placeholders, 0, never pad)."""
+    model, _ = model_for("objective.name=cdlm")
+    model.eval()
+    seen, predict = [], model.predict_x0
+    monkeypatch.setattr(model, "predict_x0", lambda *a: seen.append(a) or predict(*a))
+    pixels = images(2)
+    out = sample_continuous(model, pixels, length=4, steps=3, generator=torch.Generator().manual_seed(1))
+    draws, image_kv = torch.Generator().manual_seed(1), model.image_keys_values(model.encode(pixels))
+    x, levels = torch.randn(2, 4, model.dim, generator=draws), [1.0, 2 / 3, 1 / 3, 0.0]
+    assert len(seen) == 3
+    for i, (tokens, _, t, fed) in enumerate(seen):
+        assert torch.equal(tokens, torch.zeros(2, 4, dtype=torch.long))
+        torch.testing.assert_close(t, torch.full((2,), levels[i]))
+        torch.testing.assert_close(fed, x)
+        x0_hat = predict(tokens, image_kv, t, x)
+        ab = alpha_bar(torch.tensor(levels[i + 1]))
+        x = ab.sqrt() * x0_hat + (1 - ab).sqrt() * torch.randn(x.shape, generator=draws)
+    assert torch.equal(out, model.project(x0_hat).argmax(-1))
+
+
+def test_clip_and_cdlm_losses_compute_on_the_tokens_device_whatever_torchs_default_device():
+    """Every tensor the two losses make is made on the batch's device: with torch's default device
+    set to "meta" they give the same values (a tensor made on the default device could not mix with
+    the others, or would come back on "meta" with no values)."""
+    (clip, _), (cdlm, _) = model_for("objective.name=clip"), model_for("objective.name=cdlm")
+    tokens, pixels = captions(), images(3)
+    cases = [
+        lambda: clip_loss(clip, pixels, tokens),
+        lambda: continuous_diffusion_loss(cdlm, pixels, tokens, torch.Generator().manual_seed(0)),
+    ]
+    same_under_meta_default_device(cases)
 
 
 def test_cdlm_loss_falls_when_overfitting():

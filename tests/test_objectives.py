@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from helpers import ConstantNLL
+from helpers import ConstantNLL, same_under_meta_default_device
 from torch import nn
 
 import mdc.objectives.masked as objectives
@@ -351,3 +351,172 @@ def test_cappa_parallel_prediction_does_not_see_the_caption_length():
     autoregressive_loss(Recorder(), image, tokens, parallel_prob=1.0)
     words = seen["logits"][:, 0, : model.mask_id]  # [MASK] and pad are −∞ in both
     assert torch.equal(words[0], words[1])
+
+
+# ------------------------------------------------------------------ mutation testing (docs/testing.md)
+
+
+class DDCapStub(StubModel):
+    """StubModel with DDCap's switches: it takes `image_free` and, asked for it, returns the fixed
+    (B, max_length) `length_table` beside the token logits; it records the images it was given."""
+
+    def __init__(self, table: torch.Tensor, length_table: torch.Tensor | None = None):
+        super().__init__(table)
+        self.length_head = None if length_table is None else nn.Identity()  # only its presence is read
+        self.length_table = length_table
+
+    def forward(self, images, tokens, t=None, causal=False, where=None, image_free=None, return_length=False):
+        logits = super().forward(images, tokens, t=t, causal=causal, where=where)
+        self.calls[-1].update(images=images, image_free=image_free, return_length=return_length)
+        return (logits, self.length_table) if return_length else logits
+
+
+@pytest.mark.parametrize("kind", ["mdc", "cmlm", "bert"])
+def test_masked_loss_defaults_are_the_objective_configs(kind):
+    """Called with no options the loss is the one `compute_loss` gives for a default ObjectiveConfig:
+    t stratified over [0.5, 1) for MDC and CMLM, the fixed 15% for BERT."""
+    tokens = torch.tensor([[0, 1, 2, 3]] * 16)
+    plain, configured = StubModel(random_table(4)), StubModel(random_table(4))
+    loss, _ = masked_diffusion_loss(plain, None, tokens, kind, generator=torch.Generator().manual_seed(12))
+    expected, _ = compute_loss(
+        configured, None, tokens, ObjectiveConfig(name=kind), generator=torch.Generator().manual_seed(12)
+    )
+    assert loss.item() == expected.item()
+    t = plain.calls[0]["t"]
+    assert torch.equal(t, configured.calls[0]["t"])
+    if kind == "bert":
+        assert (t == 0.15).all()
+    else:
+        assert torch.equal(torch.floor((t - 0.5) / 0.5 * 16).long(), torch.arange(16))
+
+
+def test_sample_t_is_antithetic_by_default():
+    t = sample_t(8, 0.0, 1.0, generator=torch.Generator().manual_seed(13))
+    assert torch.equal(torch.floor(t * 8).long(), torch.arange(8))
+    assert torch.equal(t, sample_t(8, 0.0, 1.0, True, generator=torch.Generator().manual_seed(13)))
+
+
+def test_a_position_is_masked_exactly_when_its_uniform_is_below_t():
+    """Masked iff u_i < t, strictly: P(masked) = t on float32's grid of uniforms, so t = 0 masks
+    nothing. Each row's t is set to one of its own uniforms, which must stay unmasked."""
+    tokens = torch.tensor([[0, 1, 2, 3, 1, 2]] * 4)
+    u = torch.rand(tokens.shape, generator=torch.Generator().manual_seed(14))  # the draw mask_tokens makes
+    t = u[torch.arange(4), torch.arange(4)]
+    _, masked = mask_tokens(tokens, t, MASK, PAD, generator=torch.Generator().manual_seed(14))
+    assert torch.equal(masked, u < t[:, None])
+    assert not masked[torch.arange(4), torch.arange(4)].any()
+
+
+def test_only_the_rows_with_nothing_masked_get_a_forced_mask():
+    tokens = torch.tensor([[0, 1, 2, 3, PAD]] * 4)
+    noisy, masked = mask_tokens(
+        tokens,
+        torch.tensor([1.0, 0.0, 1.0, 0.0]),
+        MASK,
+        PAD,
+        generator=torch.Generator().manual_seed(15),
+        force_one=True,
+    )
+    assert masked.sum(1).tolist() == [4, 1, 4, 1]
+    assert not masked[:, 4].any() and torch.equal(noisy == MASK, masked)
+
+
+def test_nll_masked_is_the_mean_nll_over_masked_tokens(monkeypatch):
+    table = random_table(3, 5)
+    for mask in (MASKED, torch.zeros_like(MASKED).index_put_((torch.tensor(1), torch.tensor(2)), torch.tensor(True))):
+        monkeypatch.setattr(objectives, "sample_t", lambda n, *args, **kwargs: T.clone())
+        monkeypatch.setattr(
+            objectives,
+            "mask_tokens",
+            lambda tokens, t, mask_id, pad_id, generator=None, force_one=False, mask=mask: (
+                torch.where(mask, mask_id, tokens),
+                mask.clone(),
+            ),
+        )
+        _, metrics = masked_diffusion_loss(StubModel(table), None, TOKENS, "mdc")
+        terms = [nll(table[b, i], int(TOKENS[b, i])) for b in range(3) for i in range(5) if mask[b, i]]
+        assert len(terms) == int(mask.sum())  # 6, then 1
+        assert metrics["nll_masked"].item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+
+
+def test_image_free_captions_are_the_generators_draws_below_the_share():
+    """Image-free rows: u < p for the generator's next b uniforms after t and the mask (a seeded step
+    is reproducible), strictly (p = 0.0 would drop none). p is set to one of those very uniforms."""
+    tokens = torch.tensor([[0, 1, 2, 3]] * 64)
+    replay = torch.Generator().manual_seed(16)
+    sample_t(64, 0.5, 1.0, True, replay)
+    torch.rand(tokens.shape, generator=replay)
+    u = torch.rand(64, generator=replay)
+    share = u[u < 0.5].max().item()  # the largest uniform under 1/2: its row is not image-free
+    model = DDCapStub(random_table(4))
+    images = torch.zeros(64, 1)
+    _, metrics = masked_diffusion_loss(
+        model, images, tokens, "mdc", 0.5, 1.0, image_free_prob=share, generator=torch.Generator().manual_seed(16)
+    )
+    call = model.calls[0]
+    assert call["images"] is images and call["return_length"] is False
+    assert torch.equal(call["image_free"], u < share)
+    assert metrics["image_free_fraction"].item() == (u < share).float().mean().item()
+    assert 0 < metrics["image_free_fraction"].item() < 1
+
+
+def test_the_length_cross_entropy_is_added_and_reported(fixed_draws):
+    """With a length head the loss is the ELBO plus CE(length logits, N − 1) over the captions (N =
+    5, 3 and 2 non-pad tokens, by hand)."""
+    table, lengths = random_table(3, 5), random_table(3, 6, seed=1)[..., 0]
+    model = DDCapStub(table, length_table=lengths)
+    images = torch.zeros(3, 1)
+    loss, metrics = masked_diffusion_loss(model, images, TOKENS, "mdc")
+    elbo = (
+        sum(nll(table[b, i], int(TOKENS[b, i])) / float(T[b]) for b in range(3) for i in range(5) if MASKED[b, i]) / 10
+    )
+    length_ce = sum(nll(lengths[b], n - 1) for b, n in enumerate([5, 3, 2])) / 3
+    assert metrics["length_ce"].item() == pytest.approx(length_ce, rel=1e-5)
+    assert loss.item() == pytest.approx(elbo + length_ce, rel=1e-5)
+    call = model.calls[0]
+    assert call["return_length"] is True and call["image_free"] is None and call["images"] is images
+    assert "image_free_fraction" not in metrics
+
+
+def test_objectives_compute_on_the_tokens_device_whatever_torchs_default_device():
+    """Every tensor the objectives make is made on the tokens' device: with torch's default device
+    set to "meta" they give the same values (a tensor made on the default device could not mix with
+    the others, or would come back on "meta" with no values)."""
+    tokens = torch.tensor([[0, 1, 2, PAD], [3, 3, 1, 2]] * 8)
+    table, ar_table, lengths, t = random_table(4), random_table(5), random_table(16, 4)[..., 0], torch.full((16,), 0.5)
+    cases = [
+        lambda: masked_diffusion_loss(
+            DDCapStub(table, lengths),
+            None,
+            tokens,
+            "mdc",
+            image_free_prob=0.5,
+            generator=torch.Generator().manual_seed(17),
+        ),
+        lambda: masked_diffusion_loss(
+            StubModel(table), None, tokens, "bert", generator=torch.Generator().manual_seed(17)
+        ),
+        lambda: autoregressive_loss(StubModel(ar_table), None, tokens, 0.5, torch.Generator().manual_seed(17)),
+        lambda: autoregressive_io(tokens, BOS, EOS, PAD),
+        lambda: sample_t(4, 0.2, 0.6, True, torch.Generator().manual_seed(17), tokens.device),
+        lambda: sample_t(4, 0.2, 0.6, False, torch.Generator().manual_seed(17), tokens.device),
+        lambda: mask_tokens(tokens, t, MASK, PAD, torch.Generator().manual_seed(17)),
+    ]
+    same_under_meta_default_device(cases)
+
+
+def test_teacher_forcing_keeps_the_tokens_dtype():
+    inputs, targets = autoregressive_io(torch.tensor([[0, 1, PAD]], dtype=torch.int32), BOS, EOS, PAD)
+    assert inputs.dtype == targets.dtype == torch.int32
+    assert inputs.tolist() == [[BOS, 0, 1, PAD]] and targets.tolist() == [[0, 1, EOS, PAD]]
+
+
+def test_cappa_parallel_rows_are_the_generators_draws_below_the_share():
+    """Parallel rows: u < p for the generator's first b uniforms, strictly; p is one of them."""
+    tokens = torch.tensor([[0, 1, PAD]] * 64)
+    u = torch.rand(64, generator=torch.Generator().manual_seed(18))
+    share = u[u < 0.5].max().item()
+    model = StubModel(random_table(4))
+    _, metrics = autoregressive_loss(model, None, tokens, share, torch.Generator().manual_seed(18))
+    assert torch.equal(~model.calls[0]["causal"], u < share)
+    assert metrics["parallel_fraction"].item() == (u < share).float().mean().item()
