@@ -2,8 +2,10 @@
 multi-node harness on this machine: a head with no CPU (the driver's node) and two 1-CPU worker
 nodes. Each run is one 0.5-CPU training worker beside a 0.5-CPU reader, so two runs fill the 2
 cores without oversubscribing them, and each run reads its rows in the same order both ways.
-Reports both wall times, their ratio (goal ≤ 0.6) and whether every run's final loss is the same
-both ways (same seeds).
+Reports both wall times, their ratio (goal ≤ 0.6), whether every run's final loss is the same
+both ways (same seeds), and how many of the machine's cores each way kept busy (/proc/stat): two
+runs at once cannot take less than the sequential study's CPU time spread over every core, so
+`ratio_floor` = the sequential study's busy cores / the machine's cores bounds the ratio from below.
 
     python -m benchmarks.study_concurrency [--steps 20] [--out runs/bench-study-concurrency]
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -49,17 +52,25 @@ def one_worker_runs(path: Path, name: str, steps: int, images: int, log_every: i
     return path
 
 
-def timed_study(plan_path: Path, out: Path, max_concurrent: int) -> tuple[float, dict[str, float]]:
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent not idle since boot (Linux's /proc/stat)."""
+    user, nice, system, idle, iowait, *rest = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + sum(rest)) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_study(plan_path: Path, out: Path, max_concurrent: int) -> tuple[float, float, dict[str, float]]:
+    """Wall seconds, busy cores (CPU seconds / wall seconds) and each run's final loss."""
     from pipelines.study import load_plan, run_study
 
-    tic = time.perf_counter()
+    tic, busy = time.perf_counter(), busy_cpu_seconds()
     run_study(load_plan(plan_path), plan_path, out, max_concurrent=max_concurrent)
     wall = time.perf_counter() - tic
+    busy_cores = (busy_cpu_seconds() - busy) / wall
     losses = {
         p.parent.name: json.loads(p.read_text())["metrics"]["final_loss"]
         for p in sorted(out.glob("runs/*/result.json"))
     }
-    return wall, losses
+    return wall, busy_cores, losses
 
 
 def main() -> None:
@@ -77,8 +88,8 @@ def main() -> None:
             shutil.rmtree(out / name, ignore_errors=True)
             (out / name).mkdir(parents=True)
             shutil.copytree(out / "shared" / "data", out / name / "data")
-        sequential, seq_losses = timed_study(plan_path, out / "sequential", 1)
-        concurrent, con_losses = timed_study(plan_path, out / "concurrent", 2)
+        sequential, seq_busy, seq_losses = timed_study(plan_path, out / "sequential", 1)
+        concurrent, con_busy, con_losses = timed_study(plan_path, out / "concurrent", 2)
     result = {
         "runs": 4,
         "steps": args.steps,
@@ -86,6 +97,9 @@ def main() -> None:
         "concurrent_s": round(concurrent, 1),
         "ratio": round(concurrent / sequential, 3),
         "goal": "<= 0.6",
+        "cores": os.cpu_count(),
+        "busy_cores": {"sequential": round(seq_busy, 2), "concurrent": round(con_busy, 2)},
+        "ratio_floor": round(seq_busy / os.cpu_count(), 3),
         "same_final_losses": seq_losses == con_losses,
         "final_losses": {"sequential": seq_losses, "concurrent": con_losses},
     }

@@ -230,7 +230,7 @@ def test_a_study_with_max_concurrent_2_trains_two_at_a_time(multinode, tmp_path,
     from pipelines.study import load_plan, run_study
 
     assert ray.cluster_resources()["CPU"] == 2  # two 1-CPU nodes (after the node-loss test, its replacement)
-    path = one_worker_runs(tmp_path / "plan.yaml", "pairs", steps=12, images=200, log_every=3)
+    path = one_worker_runs(tmp_path / "plan.yaml", "pairs", steps=6, images=200, log_every=3)
     stop, placed = threading.Event(), []
     watcher = threading.Thread(target=count_worker_groups, args=(stop, placed), daemon=True)
     watcher.start()
@@ -257,4 +257,4 @@ def test_a_study_with_max_concurrent_2_trains_two_at_a_time(multinode, tmp_path,
     assert most_at_once([(r.info.start_time, r.info.end_time) for r in children]) == 2
     assert "2 run(s) at once (--max-concurrent" in output
     for name in ("pairs-mdc-s0", "pairs-cmlm-s1"):  # one display: every run's lines, each named
-        assert f"{name} step 12/12" in output, output[-3000:]
+        assert f"{name} step 6/6" in output, output[-3000:]
