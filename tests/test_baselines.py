@@ -129,14 +129,15 @@ def test_image_free_rows_see_the_learned_null_image():
 
 
 def test_image_free_training_drops_the_chosen_share_and_trains_the_null_image():
-    """The share over 4,800 captions (uniform stand-in model): its binomial standard error is
-    sqrt(0.3·0.7/4800) ≈ 0.0066 and the tolerance four of them; then a real model's null image trains."""
+    """The share over 48,000 captions (uniform stand-in model): its binomial standard error is
+    sqrt(0.3·0.7/48000) ≈ 0.0021 and the tolerance four of them, so a share 10% off (0.33) is 14 SE
+    away (4,800 captions let it pass); then a real model's null image trains."""
     uniform = ConstantNLL(16, mask_id=MASK, pad_id=PAD, bos_id=BOS, eos_id=EOS)
-    tokens = torch.zeros(4800, 4, dtype=torch.long)
+    tokens = torch.zeros(48000, 4, dtype=torch.long)
     _, metrics = masked_diffusion_loss(
         uniform, None, tokens, "mdc", 0.0, 1.0, image_free_prob=0.3, generator=torch.Generator().manual_seed(0)
     )
-    assert metrics["image_free_fraction"].item() == pytest.approx(0.3, abs=4 * math.sqrt(0.3 * 0.7 / 4800))
+    assert metrics["image_free_fraction"].item() == pytest.approx(0.3, abs=4 * math.sqrt(0.3 * 0.7 / len(tokens)))
     model, cfg = model_for("objective.image_free_prob=0.3")
     loss, _ = compute_loss(
         model, images(120), captions().repeat(40, 1), cfg.objective, torch.Generator().manual_seed(0)

@@ -47,8 +47,11 @@ def record_decode(model, monkeypatch):
 @pytest.mark.parametrize("steps", [1, 3, 10])
 def test_ancestral_uses_every_step_and_leaves_no_mask(model, monkeypatch, steps):
     """The last step goes to s = 0, so it commits whatever is still masked: one call per step,
-    none after (with 20 positions an early finish is all but impossible at these seeds)."""
+    none after (with 20 positions an early finish is all but impossible at these seeds). The
+    clean-up call for positions a short loop left masked would also commit the rest, but is told
+    t = 0 for every caption; the last step is told the share still masked."""
     calls = record_decode(model, monkeypatch)
+    shares = record_t(model, monkeypatch)
     out = sample_masked(
         model,
         images(),
@@ -61,7 +64,7 @@ def test_ancestral_uses_every_step_and_leaves_no_mask(model, monkeypatch, steps)
     assert out.shape == (2, 10)
     assert not ((out == MASK) | (out == PAD)).any()
     assert len(calls) == steps
-    assert (calls[-1][0] == MASK).any()  # the final step, not a clean-up call, committed the rest
+    assert (calls[-1][0] == MASK).any() and (shares[-1][1] > 0).any()  # the final step, not a clean-up call
 
 
 def test_ancestral_unmasks_a_share_of_t_minus_s_over_t(model, monkeypatch):
