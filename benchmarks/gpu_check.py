@@ -8,8 +8,10 @@ EMA and exported weights, and a DCP save + restore; accumulation 4 × B against 
 compiled with activation checkpointing under TORCH_LOGS=recompiles,graph_breaks (a recompile
 fails it); the MFU benchmark for ViT-B/16 and ViT-L/14, each in its own process; and the real path:
 `mdc data shapes`, `mdc train` on the GPU with compile, activation checkpointing, async checkpoints
-and EMA for 30 steps, then a relaunch that must resume. `--dry-run` runs the same steps on CPU
-with the tiny preset and gloo (the bf16 policy included), so CI proves the script itself works.
+and EMA for 30 steps, then a relaunch that must resume; and the host syncs of an MDC training step
+(each objective's, under `torch.cuda.set_sync_debug_mode`: every sync that stays, per step).
+`--dry-run` runs the same steps on CPU with the tiny preset and gloo (the bf16 policy included),
+so CI proves the script itself works: on CPU wherever it runs, a GPU box included.
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ CASES = {
     "mdc+image_free_prob": ["objective.name=mdc", "objective.image_free_prob=0.5"],
 }
 LENGTH = 16
+DRY_RUN = False  # set by --dry-run, in the parent and in each step's process
 
 
 def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """CUDA on a GPU box; CPU in a dry run, even there."""
+    return "cuda" if torch.cuda.is_available() and not DRY_RUN else "cpu"
 
 
 def one_rank_group() -> None:
@@ -162,9 +166,44 @@ def step_compile(preset: str, work: Path) -> dict:
     return {"ok": why_not is None, "compiled": why_not is None, "why_not": why_not, "step_s": times}
 
 
+def step_syncs(preset: str, work: Path) -> dict:
+    """Host syncs per training step (`device_step`, which reads nothing back), per objective: the
+    warnings `torch.cuda.set_sync_debug_mode("warn")` raises over 3 steps after a warm-up one. The
+    MDC objective's step must make none. On CPU there is no device to wait for: nothing counted."""
+    import warnings
+
+    from mdc.models.captioner import PRESETS
+    from mdc.train.step import device_step
+
+    one_rank_group()
+    cuda, out = device() == "cuda", {}
+    for case, overrides in CASES.items():
+        cfg, model, optimizer, scheduler, ema = bf16_model(overrides, preset)
+        images, tokens = full_captions(4, PRESETS[preset].image_size)
+        tokens[::2, LENGTH // 2 :] = 49409  # pad: half the captions end halfway
+        per_step = []
+        for i in range(4):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if cuda and i:
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    generator = torch.Generator(device()).manual_seed(i)
+                    device_step(model, optimizer, scheduler, images, tokens, cfg.objective, 1.0, generator, ema)
+                finally:
+                    if cuda:
+                        torch.cuda.set_sync_debug_mode("default")
+            syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+            if i:
+                per_step.append(len(syncs))
+        out[case] = {"syncs_per_step": per_step if cuda else None, "first": syncs[:3] if cuda else []}
+    mdc_syncs = out["mdc"]["syncs_per_step"]
+    return {"ok": not cuda or mdc_syncs == [0, 0, 0], "counted": cuda, "cases": out}
+
+
 def mfu_command(preset: str, dry: bool, out: Path) -> list[str]:
     if dry:
-        args = ["--presets", "tiny", "--batch", "8", "--steps", "3", "--fsdp"]
+        args = ["--presets", "tiny", "--batch", "8", "--steps", "3", "--fsdp", "--device", "cpu"]
     else:
         args = ["--presets", preset, "--batch", {"vit_b16": "64", "vit_l14": "32"}[preset], "--steps", "30"]
         args += ["--bf16", "--fsdp", "--compile"]
@@ -191,7 +230,12 @@ def real_path_commands(dry: bool, work: Path) -> list[list[str]]:
     ]
 
 
-STEPS_IN_PROCESS = {"objectives": step_objectives, "accumulation": step_accumulation, "compile": step_compile}
+STEPS_IN_PROCESS = {
+    "objectives": step_objectives,
+    "accumulation": step_accumulation,
+    "compile": step_compile,
+    "syncs": step_syncs,
+}
 TIMEOUT_S = {
     "objectives": 90,
     "accumulation": 60,
@@ -199,6 +243,7 @@ TIMEOUT_S = {
     "mfu_vit_b16": 90,
     "mfu_vit_l14": 120,
     "real_path": 240,
+    "syncs": 90,
 }
 
 
@@ -224,6 +269,7 @@ def check(name: str, dry: bool, work: Path) -> dict:
     if name in STEPS_IN_PROCESS:
         result_file = work / f"{name}.json"
         cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--step", name, "--preset", preset, "--work", str(work)]
+        cmd += ["--dry-run"] if dry else []
         env = {**os.environ, **({"TORCH_LOGS": "recompiles,graph_breaks"} if name == "compile" else {})}
         code, output, seconds = run(cmd, timeout, env)
         result = json.loads(result_file.read_text()) if code == 0 and result_file.exists() else {"ok": False}
@@ -259,6 +305,8 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny", help=argparse.SUPPRESS)
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global DRY_RUN
+    DRY_RUN = args.dry_run
     if args.step:
         work = Path(args.work)
         result = STEPS_IN_PROCESS[args.step](args.preset, work)

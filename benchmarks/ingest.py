@@ -3,7 +3,9 @@ resized and cropped to 224 (uint8; training normalises on its device) and tokeni
 consumes them.
 
 Speed: the Ray Data pipeline (every CPU of the local Ray) against a plain single-process loop over
-the same shards, as images/s, their ratio and the ratio per Ray CPU.
+the same shards, as images/s, their ratio and the ratio per Ray CPU; and the pipeline as training
+reads it — one order whatever the readers (order preserved, seeded shard order and row windows,
+blocks of one micro-batch) — against the same pipeline unordered: what the deterministic order costs.
 Memory (`--memory`): the peak of the summed proportional set size (PSS) of this driver and every
 Ray process while the pipeline streams the same samples written as many small shards and as a
 few large ones; the ratio says whether memory depends on shard size. Ray's own baseline (the
@@ -60,8 +62,14 @@ def plain_loop(uri: str) -> int:
     return count + (flush() if pending else 0)
 
 
-def ray_pipeline(uri: str) -> int:
-    ds = build_dataset(uri, IMAGE_SIZE, MAX_LENGTH, shuffle_seed=None)
+def ray_pipeline(uri: str, in_order: bool = False) -> int:
+    """Images through the pipeline; `in_order`: as training reads it (pipelines/ingest.py), order
+    preserved, shards and row windows seeded, blocks of one micro-batch (BATCH rows)."""
+    if not in_order:
+        ds = build_dataset(uri, IMAGE_SIZE, MAX_LENGTH, shuffle_seed=None)
+    else:
+        ds = build_dataset(uri, IMAGE_SIZE, MAX_LENGTH, shuffle_seed=0, shuffle_window=256, rows_per_block=BATCH)
+        ds.context.execution_options.preserve_order = True
     return sum(len(b["tokens"]) for b in ds.iter_batches(batch_size=BATCH, batch_format="numpy"))
 
 
@@ -126,9 +134,10 @@ def speed(args) -> dict:
         ray.init(object_store_memory=512 * 1024**2)
         ray_pipeline(uri)  # warm: workers, tokenizer
         n_ray, t_ray = timed(ray_pipeline, uri)
+        n_ordered, t_ordered = timed(ray_pipeline, uri, True)
         cpus = ingest_resources(ray.cluster_resources()["CPU"], 0.0).budget
         ray.shutdown()
-    assert n_plain == n_ray, (n_plain, n_ray)
+    assert n_plain == n_ray == n_ordered, (n_plain, n_ray, n_ordered)
     ratio = (n_ray / t_ray) / (n_plain / t_plain)
     return {
         "images": n_plain,
@@ -139,6 +148,9 @@ def speed(args) -> dict:
         "ray_images_per_s": n_ray / t_ray,
         "ratio_ray_over_plain": ratio,
         "ray_per_cpu_over_plain": ratio / cpus,
+        "ray_in_order_images_per_s": n_ordered / t_ordered,
+        "in_order_over_unordered": (n_ordered / t_ordered) / (n_ray / t_ray),
+        "in_order_over_plain": (n_ordered / t_ordered) / (n_plain / t_plain),
     }
 
 

@@ -35,7 +35,7 @@ def one_worker_runs(path: Path, name: str, steps: int, images: int, log_every: i
         "budget": {
             "data.max_length": 16,
             "data.val_uri": None,
-            "data.ingest_cpus": 0.5,  # one reader at a time, whatever the concurrency: rows in one order
+            "data.ingest_cpus": 0.5,  # half a CPU of ingest each: two runs fit two 1-CPU nodes
             "train.steps": steps,
             "train.batch_size": 8,
             "train.num_workers": 1,

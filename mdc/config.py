@@ -67,7 +67,9 @@ class DataConfig(_Section):
     val_uri: str | None = "runs/shapes/val"
     endpoint_url: str | None = None
     max_length: int = Field(16, ge=2, le=512)
-    shuffle_buffer: int = Field(256, ge=0)
+    shuffle_buffer: int = Field(
+        256, ge=0, description="rows of a shard shuffled together (seeded windows); 0: in order"
+    )
     format: Literal["auto", "webdataset", "parquet"] = Field(
         "auto", description="auto: the tars and every Parquet file that is not a tar's side file"
     )
@@ -241,6 +243,7 @@ class RunConfig(_Section):
     storage_uri: str = "runs/checkpoints"
     mlflow_uri: str = "sqlite:///mlflow.db"
     experiment: str = "mdc"
+    registered_model: str | None = None  # its MLflow Model Registry name; None: mdc-<objective>-<preset>
     model: ModelConfig = ModelConfig()
     objective: ObjectiveConfig = ObjectiveConfig()
     data: DataConfig = DataConfig()

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from mdc import ddcap, sampling
+from mdc import ddcap, sampling, seeding
 from mdc.models.captioner import Captioner
 from mdc.models.cdlm import DiffusionLMCaptioner
 from mdc.models.clip import ClipModel
@@ -117,7 +117,7 @@ def _continuous_loss(model, images, tokens, objective, generator=None):
     return continuous_diffusion_loss(model, images, tokens, generator)
 
 
-def _write_masked(model, images, length, decoding: sampling.Decoding):
+def _write_masked(model, images, length, decoding: sampling.Decoding, generator=None):
     """N' = `length` [MASK]s; per-image lengths (B,) as [MASK]s then pad; None: the length head's."""
     tokens = None
     if torch.is_tensor(length):
@@ -132,6 +132,7 @@ def _write_masked(model, images, length, decoding: sampling.Decoding):
         guidance_scale=decoding.guidance_scale,
         schedule=decoding.schedule,
         threshold=decoding.threshold,
+        generator=generator,
     )
 
 
@@ -141,12 +142,13 @@ def _fixed_length(name: str, length) -> int:
     return length
 
 
-def _write_autoregressive(model, images, length, decoding: sampling.Decoding):
+def _write_autoregressive(model, images, length, decoding: sampling.Decoding, generator=None):
     return sampling.generate_autoregressive(model, images, max_tokens=_fixed_length("autoregressive", length))
 
 
-def _write_continuous(model, images, length, decoding: sampling.Decoding):
-    return sampling.sample_continuous(model, images, _fixed_length("cdlm", length), steps=decoding.steps or 5)
+def _write_continuous(model, images, length, decoding: sampling.Decoding, generator=None):
+    length = _fixed_length("cdlm", length)
+    return sampling.sample_continuous(model, images, length, steps=decoding.steps or 5, generator=generator)
 
 
 _MASKED = dict(
@@ -205,8 +207,11 @@ def objective(name: str) -> Objective:
     return OBJECTIVES[name]
 
 
-def build_model(cfg, tokenizer) -> nn.Module:
-    return objective(cfg.objective.name).build(cfg, tokenizer)
+def build_model(cfg, tokenizer, seed: int = 0) -> nn.Module:
+    """The objective's model with weights drawn from `seed` alone (mdc/seeding.py): the same
+    weights in any thread, whatever other threads draw meanwhile."""
+    with seeding.drawing_from(seed):
+        return objective(cfg.objective.name).build(cfg, tokenizer)
 
 
 def compute_loss(model, images, tokens, objective_cfg, generator=None):
@@ -221,11 +226,13 @@ def write_captions(
     objective_name: str,
     length: int | torch.Tensor | None,
     decoding: sampling.Decoding = sampling.Decoding(),
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """(B, L) caption tokens in the objective's own way: masked denoising (N' = `length`, or per-image
     lengths (B,), or None for the length head's), greedy decoding up to `length` tokens, or
-    `decoding.steps` (default 5) rounds of continuous denoising."""
+    `decoding.steps` (default 5) rounds of continuous denoising. Samplers that draw (ancestral,
+    temperature > 0, continuous denoising) draw from `generator`."""
     entry = objective(objective_name)
     if entry.write is None:
         raise ValueError(f"a {objective_name!r} model does not write captions")
-    return entry.write(model, images, length, decoding)
+    return entry.write(model, images, length, decoding, generator)

@@ -61,8 +61,8 @@ def _commit_count(left: torch.Tensor, total: torch.Tensor, step: int, steps: int
         return (left - stays).clamp(min=1)[:, None]
     if schedule == "linear":  # the rest spread evenly over the passes left
         return torch.ceil(left / (steps - step)).long()[:, None]
-    if schedule == "fixed":
-        return torch.full_like(left, per_step)[:, None]
+    if schedule == "fixed":  # ⌊N'/steps⌋ a pass (at least `per_step`), the last pass the rest
+        return torch.div(total, steps, rounding_mode="floor").clamp(min=per_step)[:, None]
     raise ValueError(f"unknown schedule {schedule!r} (fixed | linear | cosine)")
 
 
@@ -89,6 +89,8 @@ def sample_masked(
     model with a length head (DDCap) and no length given, of its predicted N' per image.
 
     `steps` defaults to ceil(masked / tokens_per_step): N' steps, one token each, as in the paper.
+    `min(steps, N')` passes: the `fixed` schedule commits max(tokens_per_step, ⌊N'/steps⌋) a pass,
+    and the last pass of any schedule commits every position still masked.
     Fewer passes, for the confidence strategy: `schedule="linear"` spreads the N' commits evenly
     over `steps` passes; `"cosine"` commits, by pass s of S, all but ⌊N'·cos(π/2·s/S)⌋ (MaskGIT);
     a `threshold` commits every masked position whose token is at least that probable, and at least
@@ -141,7 +143,9 @@ def sample_masked(
             commit = masked & (u < (t_now - t_next) / t_now)
         elif strategy == "confidence":
             rank = conf.argsort(dim=1, descending=True).argsort(dim=1)
-            if threshold is not None:
+            if step == steps - 1:  # the last pass commits the rest: exactly `steps` passes at most
+                commit = masked
+            elif threshold is not None:
                 commit = masked & ((conf >= threshold) | (rank == 0))
             else:
                 commit = masked & (rank < _commit_count(masked.sum(1), total, step, steps, schedule, tokens_per_step))
@@ -149,8 +153,6 @@ def sample_masked(
             raise ValueError(f"unknown sampler strategy {strategy!r} (ancestral | confidence)")
         tokens = torch.where(commit, proposal, tokens)
         masked = masked & ~commit
-    if masked.any():  # fewer steps than needed: commit the rest at once
-        tokens, _ = propose(tokens, masked, torch.zeros(len(tokens), device=tokens.device))
     return tokens
 
 

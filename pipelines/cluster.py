@@ -7,7 +7,9 @@ helpers live.
 - `run_all`: calls the runs' functions, at most N at once, each in its own driver thread; every
   run is still its own Ray Train job (its own `TorchTrainer.fit`, its own MLflow child run) and
   Ray places each worker group where it fits. Results come back in the order given, whatever the
-  order of finishing.
+  order of finishing. Ctrl-C stops them all at once: the runs not started are cancelled, the
+  MLflow runs end KILLED, and the process exits without waiting for the running ones, whose Ray
+  Train jobs end with this driver; the same command resumes them from their checkpoints.
 - `share_ingest`: a run's ingest CPUs when N runs share the cluster (what its share leaves beside
   its workers), so that N runs never ask for more than the cluster has.
 - `on_driver_node`: the scheduling strategy that keeps a driver-side actor (progress channel,
@@ -20,7 +22,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import TypeVar
 
 import ray
@@ -111,28 +113,60 @@ def run_all(calls: dict[K, Callable[[], T]], max_concurrent: int) -> dict[K, T]:
     """Every call's result, by key, in the order given. One at a time in this thread when
     `max_concurrent` is 1; else at most `max_concurrent` at once in driver threads. The first
     error stops the calls not started yet, lets the running ones finish (their results are kept
-    where they keep them) and is raised."""
+    where they keep them) and is raised. Ctrl-C (KeyboardInterrupt, which reaches the main thread
+    only) cancels the calls not started, marks the MLflow runs this process opened KILLED and is
+    raised at once: the threads are daemons, so the interpreter exits without waiting for them,
+    and Ray's exit handler then ends this driver's Ray Train jobs."""
     if max_concurrent <= 1 or len(calls) <= 1:
         return {key: call() for key, call in calls.items()}
-    pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="mdc-run")
+    futures = {key: Future() for key in calls}
+    queue = list(calls.items())
+    stop = threading.Event()
+
+    def work() -> None:
+        while not stop.is_set():
+            try:
+                key, call = queue.pop(0)  # atomic: each call is taken once
+            except IndexError:
+                return
+            if futures[key].set_running_or_notify_cancel():
+                try:
+                    futures[key].set_result(call())
+                except BaseException as err:
+                    futures[key].set_exception(err)
+
+    for i in range(max_concurrent):  # daemons: a ThreadPoolExecutor's threads are joined before exit
+        threading.Thread(target=work, name=f"mdc-run-{i}", daemon=True).start()
     try:
-        futures = {key: pool.submit(call) for key, call in calls.items()}
-        done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
-        failed = next((f for f in futures.values() if f in done and f.exception() is not None), None)
+        failed, pending = None, True
+        while failed is None and pending:  # waits of 1 s: Ctrl-C is raised here whichever thread took the signal
+            done, pending = wait(futures.values(), timeout=1.0, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in done if not f.cancelled() and f.exception() is not None), None)
         if failed is not None:
-            for future in futures.values():
-                future.cancel()
-            wait(futures.values())
+            _interrupt(stop, futures.values(), kill_runs=False)
+            wait([f for f in futures.values() if not f.cancelled()])  # the running ones
             raise failed.exception()
-        return {key: future.result() for key, future in futures.items()}
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)  # an interrupt leaves: the running runs' threads end with them
+    except KeyboardInterrupt:
+        _interrupt(stop, futures.values())
+        raise
+    return {key: future.result() for key, future in futures.items()}
+
+
+def _interrupt(stop: threading.Event, futures, kill_runs: bool = True) -> None:
+    """No call starts any more; with `kill_runs` (Ctrl-C) the open MLflow runs end KILLED."""
+    stop.set()
+    for future in futures:
+        future.cancel()
+    if kill_runs:
+        from pipelines import tracking  # MLflow: imported where runs are marked
+
+        tracking.kill_open_runs()
 
 
 _LOCK = threading.Lock()
 
 
 def serialized() -> threading.Lock:
-    """One lock for work in the driver that must not overlap between runs (in-process evaluations
-    seed torch's global generator)."""
+    """One lock for work in the driver that runs better one at a time: in-process evaluations,
+    which would share the driver's cores."""
     return _LOCK

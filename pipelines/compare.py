@@ -17,6 +17,7 @@ every row's metrics and both files, with each objective's training run as its ch
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -107,7 +108,7 @@ def evaluate_checkpoint(
         out.update({f"blind/{subset}": acc for subset, acc in result["blind_accuracy"].items()})
     if OBJECTIVES[objective].write and caption_lengths:
         images = captioning.group_by_image(shards.read_shards(join(data_uri, "val"), endpoint_url), limit)
-        result = captioning.evaluate_captions(model, objective, images, lengths=tuple(caption_lengths))
+        result = captioning.evaluate_captions(model, objective, images, lengths=tuple(caption_lengths), seed=seed)
         out.update({f"captions/N{n}/{k}": v for n, m in result["lengths"].items() for k, v in m.items()})
     return out
 
@@ -141,11 +142,21 @@ def write_tables(title: str, rows: list[Row], workdir: Path, console: Console) -
     console.print(table)
 
 
-def train_row(cfg: RunConfig, parent: str, evaluation: tuple, console: Console, channel=None) -> Row:
+def row_path(workdir: Path, cfg: RunConfig) -> Path:
+    """WORKDIR/runs/RUN/row.json, written last: a relaunch with the same name reruns nothing that has one."""
+    return workdir / "runs" / cfg.name / "row.json"
+
+
+def train_row(cfg: RunConfig, parent: str, evaluation: tuple, workdir: Path, console: Console, channel=None) -> Row:
     """One objective trained (reporting to `channel` when runs train at once) and evaluated (one
-    evaluation at a time in this process); its row, also logged to its MLflow run."""
-    data_uri, endpoint_url, caption_length, limit, samples = evaluation
+    evaluation at a time in this process); its row, also logged to its MLflow run and kept in
+    `row_path`. A row kept by an earlier launch is read back, not trained again."""
+    path = row_path(workdir, cfg)
     objective = cfg.objective.name
+    if path.is_file():
+        console.print(f"[bold]{objective}[/bold]: done before ({path})")
+        return Row(**json.loads(path.read_text()))
+    data_uri, endpoint_url, caption_length, limit, samples = evaluation
     console.print(f"[bold]{objective}[/bold]: training {cfg.train.steps} steps")
     summary = run_training(cfg, parent_run_id=parent, channel=channel)
     with cluster.serialized():
@@ -166,6 +177,8 @@ def train_row(cfg: RunConfig, parent: str, evaluation: tuple, console: Console, 
     )
     numbers = {f"compare/{k}": v for k, v in asdict(row).items() if isinstance(v, float)}
     tracking.log_evaluation(tracking.absolute_tracking_uri(cfg.mlflow_uri), numbers, [], run_id=summary.mlflow_run_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(row), indent=2))  # last: its presence means the row is done
     return row
 
 
@@ -216,7 +229,7 @@ def run_compare(
         evaluation = (data_uri, endpoint_url, caption_length, limit, samples)
         with progress.shared(n, console) as channel:
             calls = {
-                objective: functools.partial(train_row, cfg, parent, evaluation, console, channel)
+                objective: functools.partial(train_row, cfg, parent, evaluation, workdir, console, channel)
                 for objective, cfg in configs.items()
             }
             rows = list(cluster.run_all(calls, n).values())

@@ -40,9 +40,17 @@ def warn(message: str) -> None:
 @contextlib.contextmanager
 def user_errors(*also: type[BaseException]):
     """Turn user errors (and the `also` types) into `error: MESSAGE` on one line and exit code 2;
-    with --verbose the traceback is printed first."""
+    with --verbose the traceback is printed first. Ctrl-C is one line too, and exit code 130."""
     try:
         yield
+    except KeyboardInterrupt:
+        console.print(
+            Text.assemble(
+                ("interrupted: ", "red"),
+                "runs stopped (MLflow: KILLED); the same command resumes them from their checkpoints",
+            )
+        )
+        raise typer.Exit(130) from None
     except RunFailed as err:
         console.print(Text.assemble(("error: ", "red"), str(err)))
         raise typer.Exit(1) from None

@@ -1,7 +1,12 @@
 """`mdc demo`: the whole product on one machine with nothing running beforehand.
 
 local S3 server (moto, subprocess) → shapes shards into a bucket → 2-worker Ray Train run reading
-from the bucket → MLflow in SQLite under the work folder → a summary with captions beside references.
+from the bucket → MLflow in SQLite under the work folder (the encoder registered there) → a summary
+with captions beside references, and the encoder as a timm folder in WORKDIR/encoder.
+
+The demo's model has no caption-length head (`model.predict_length`): it trains the paper's MDC,
+which writes at a fixed N'; the head is DDCap's switch, and turning it on would change what the
+demo measures. A model trained with one is also captioned at the head's N' ("predicted").
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from pathlib import Path
 from rich.table import Table
 from sklearn.exceptions import ConvergenceWarning
 
+from mdc import export
 from mdc.config import DEFAULT_CONFIG, load_config
 from mdc.data import shards
 from mdc.data.shapes import write_shapes_dataset
@@ -21,7 +27,7 @@ from mdc.evaluation.compositionality import evaluate_shapes
 from mdc.evaluation.probe import probe_shapes, random_init
 from mdc.registry import OBJECTIVES
 from mdc.train.checkpoint import load_pretrained
-from pipelines import reports, tracking
+from pipelines import model_registry, reports, tracking
 from pipelines.console import console
 from pipelines.runtime import create_bucket, local_s3_server, ray_session
 from pipelines.train import run_training
@@ -33,6 +39,9 @@ DEMO_IMAGES = 9000
 # 20 does not); the shapes captions are 4 to 12 tokens long.
 CAPTION_LENGTHS = (10, 15)
 HELD_OUT = 64  # held-out images captioned and scored (the console shows the first 8, the report all)
+# Ray Data's advice when an operator gets fewer input blocks than its task concurrency cap (the demo's
+# few shards): for tuning big pipelines, two lines of noise on the demo's console
+RAY_DATA_CONCURRENCY_WARNING = r"The maximum number of concurrent tasks"
 
 
 def caption_heldout(checkpoint_dir: str, data_uri: str, endpoint_url: str | None, n: int = HELD_OUT):
@@ -43,7 +52,8 @@ def caption_heldout(checkpoint_dir: str, data_uri: str, endpoint_url: str | None
     images = captioning.group_by_image(shards.read_shards(data_uri, endpoint_url), n)
     if OBJECTIVES[cfg.objective.name].write is None:
         return images, None
-    return images, captioning.evaluate_captions(model, cfg.objective.name, images, CAPTION_LENGTHS)
+    lengths = (*CAPTION_LENGTHS, "predicted") if cfg.model.predict_length else CAPTION_LENGTHS
+    return images, captioning.evaluate_captions(model, cfg.objective.name, images, lengths)
 
 
 def evaluate_demo_model(checkpoint_dir: str, data_uri: str, endpoint_url: str) -> dict:
@@ -83,7 +93,8 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
         console.print(f"[bold]local S3 server[/bold] {endpoint}; writing {num} shapes images to {data_uri}")
         create_bucket(endpoint, BUCKET)
         write_shapes_dataset(data_uri, num=num, seed=cfg.train.seed, endpoint_url=endpoint)
-        with ray_session(workdir / "ray.log", verbose=verbose, num_cpus=2):
+        with ray_session(workdir / "ray.log", verbose=verbose, num_cpus=2), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", RAY_DATA_CONCURRENCY_WARNING, UserWarning)
             result = run_training(cfg)
         console.print(
             f"captioning {HELD_OUT} held-out images at N' = {', '.join(map(str, CAPTION_LENGTHS))}, "
@@ -91,6 +102,7 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
         )
         images, captions = caption_heldout(result.checkpoint_uri, f"{data_uri}/val", endpoint)
         evaluation = evaluate_demo_model(result.checkpoint_uri, data_uri, endpoint)
+        encoder, registered = export_demo_encoder(workdir, cfg, result, evaluation)
 
     summary = {
         "run_name": result.run_name,
@@ -100,6 +112,8 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
         "checkpoint": result.checkpoint_uri,
         "mlflow_run_id": result.mlflow_run_id,
         "mlflow_uri": cfg.mlflow_uri,
+        "encoder": str(encoder),
+        "registered_model": registered,
         **evaluation,
         "captions": captions,
     }
@@ -109,12 +123,43 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
     return summary
 
 
+def lengths_text(lengths: list[str]) -> str:
+    """The caption lengths in words: the paper's fixed N', and the length head's when written."""
+    fixed = [n for n in lengths if n != "predicted"]
+    head = " and at the length head's N' (predicted)" if "predicted" in lengths else ""
+    return f"the paper's fixed lengths N' = {', '.join(fixed)}{head}"
+
+
+def export_demo_encoder(workdir: Path, cfg, result, evaluation: dict) -> tuple[Path, str | None]:
+    """The trained encoder as a timm folder in WORKDIR/encoder, its card holding the demo's figures,
+    which also become the tags of the version the run registered; returns (folder, that version)."""
+    macro = sum(evaluation["compositionality"].values()) / len(evaluation["compositionality"])
+    figures = {"probe": evaluation["probe_accuracy"], "compositionality": macro}
+    facts = {
+        "MLflow run": result.mlflow_run_id,
+        "checkpoint": result.checkpoint_uri,
+        "linear probe, held-out shapes": evaluation["probe_accuracy"],
+        "the same at random init": evaluation["probe_random_init_accuracy"],
+        **{
+            f"compositionality {k} ({evaluation['compositionality_scorer']})": v
+            for k, v in evaluation["compositionality"].items()
+        },
+    }
+    folder = export.export_checkpoint(
+        result.checkpoint_uri, workdir / "encoder", facts, endpoint_url=cfg.data.endpoint_url
+    )
+    registered = model_registry.tag_figures(
+        tracking.absolute_tracking_uri(cfg.mlflow_uri), result.mlflow_run_id, figures
+    )
+    return folder, registered
+
+
 def print_results(summary: dict, evaluation: dict, captions: dict | None, report: Path, mlflow_uri: str, workdir: Path):
     """The console's closing lines: held-out captions beside their references, then the figures."""
     if captions:
         lengths = list(captions["lengths"])
         table = Table(
-            title=f"held-out captions ({captions['sampler']} sampler, fixed N' = {', '.join(lengths)}: "
+            title=f"held-out captions ({captions['sampler']} sampler, {lengths_text(lengths)}: "
             "not told the reference's length)"
         )
         table.add_column("reference")
@@ -149,8 +194,12 @@ def print_results(summary: dict, evaluation: dict, captions: dict | None, report
     console.print(
         f"report: {report}\ncheckpoint: {summary['checkpoint']}\n"
         f"MLflow: mlflow ui --backend-store-uri {mlflow_uri} (run {summary['mlflow_run_id']})\n"
-        f"summary: {workdir / 'summary.json'}",
+        f"summary: {workdir / 'summary.json'}"
+        + (f"\nregistered: {summary['registered_model']}" if summary["registered_model"] else ""),
         highlight=False,
+    )
+    console.print(
+        f'the encoder, for timm: timm.create_model("local-dir:{summary["encoder"]}", pretrained=True)', highlight=False
     )
 
 
@@ -163,10 +212,17 @@ def write_report(workdir: Path, cfg, result, evaluation: dict, images, captions:
         workdir / "curves.png",
         f"{cfg.name}: {cfg.train.steps} steps, global batch {cfg.train.global_batch}",
     )
-    sections = [
-        ("Training", reports.image_html(curves, "training and validation loss")),
-        ("Linear probe and compositionality", reports.results_html(evaluation)),
-    ]
+    online = tracking.metric_history(tracking_uri, result.mlflow_run_id, reports.ONLINE_CURVES)
+    sections = [("Training", reports.image_html(curves, "training and validation loss"))]
+    if online:  # evaluated during training (eval.probe_every, eval.compositionality_every)
+        during = reports.curves_png(
+            online,
+            workdir / "online.png",
+            f"{cfg.name}: the encoder during training",
+            "accuracy",
+        )
+        sections.append(("Probe during training", reports.image_html(during, "online probe and compositionality")))
+    sections.append(("Linear probe and compositionality", reports.results_html(evaluation)))
     if captions:
         sections.append(
             (
@@ -174,12 +230,12 @@ def write_report(workdir: Path, cfg, result, evaluation: dict, images, captions:
                 reports.captions_html(
                     images,
                     captions,
-                    f"Written at the paper's fixed lengths N' = {', '.join(captions['lengths'])}, "
-                    "not at each reference's own length.",
+                    f"Written at {lengths_text(list(captions['lengths']))}, not at each reference's own length.",
                 ),
             )
         )
     path = workdir / "report.html"
     path.write_text(reports.page(f"mdc demo: {cfg.name}", sections))
-    tracking.log_artifacts(tracking_uri, result.mlflow_run_id, [path, curves], "report")
+    pngs = [curves, workdir / "online.png"] if online else [curves]
+    tracking.log_artifacts(tracking_uri, result.mlflow_run_id, [path, *pngs], "report")
     return path

@@ -1,16 +1,23 @@
 """Ray Data ingest: shards in object storage → decoded images + caption tokens, streamed.
 
-The shard list is made on the driver (img2dataset's side files left out), shuffled per epoch, and
-each shard is read by one `read_shards` task that streams its members (tar) or row batches
-(Parquet), parses, decodes, resizes and tokenizes, and yields batches. One stage of our own replaces
-Ray's read operators (why: docs/design.md §11, 'Ingest readers').
+The shard list is made on the driver (img2dataset's side files left out), read in a seeded order
+per epoch (`position.shard_order`), and each shard is read by one `read_shards` task that streams its members (tar) or row batches
+(Parquet), shuffles them in seeded windows, parses, decodes, resizes and tokenizes, and yields
+batches. One stage of our own replaces Ray's read operators (why: docs/design.md §11, 'Ingest
+readers').
+
+For training the rows leave in one order, whatever the number of readers: the shards' seeded
+order, each shard's rows in their seeded windows, cut into blocks of exactly one micro-batch
+(`rows_per_block`), which Ray Data, told to preserve order, deals to the training workers in turn —
+block k to worker k mod W. A step's global batch is the next global_batch_size rows of that order
+whatever W is (pipelines/worker/seeds.py says which of them each rank trains).
 
 The CPUs ingest may use are what the cluster has minus what the training workers hold
 (`ingest_resources`), cut into one reader per whole CPU (why: docs/design.md §11, 'Ingest readers'). Each decoded batch leaves its task as its own block, so what a task holds
 does not grow with its shard. Bad records are dropped where they are found and counted by reason,
 per shard, in one `BadRecordLedgerActor`. Rows carry their shard and place in it, for the data
-position a checkpoint stores (`pipelines/position.py`), and a resumed epoch's read tasks pass over
-the shards a `PassedOverShardsActor` names. A training worker that gets no batch for
+position a checkpoint stores (`pipelines/position.py`), and the run's `EpochPlanActor` tells the
+read tasks which epoch they read and, in a resumed epoch, the shards and rows trained before. A training worker that gets no batch for
 `data.stall_timeout_s` fails with a `DataStallError` that says which operator has produced nothing
 and what it waits for.
 """
@@ -28,12 +35,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import ray
+import ray.train
 
 from mdc.config import ConfigError
 from mdc.data import shards
 from mdc.data.images import preprocess_batch
 from mdc.data.tokenizer import CaptionTokenizer
 from pipelines import ray_private
+from pipelines.position import EpochPlan, shard_order
 
 DECODE_BATCH = 64
 
@@ -105,22 +114,22 @@ class BadRecordLedger:
 BadRecordLedgerActor = ray.remote(num_cpus=0)(BadRecordLedger)  # one actor per run, every read task reports to it
 
 
-class PassedOverShards:
-    """The shards the epoch being trained passes over: those a resumed epoch had consumed before
-    its checkpoint (empty in a fresh pass). Rank 0 sets them before any rank iterates; each read
-    task asks once, so a skipped shard is never read (nor its bad records counted again)."""
+class EpochPlanHolder:
+    """The `position.EpochPlan` of the epoch being trained: its order, and what a resumed epoch
+    passes over. Rank 0 sets it before any rank iterates an epoch; each read task asks once, so a
+    passed-over shard is never read (nor its bad records counted again)."""
 
     def __init__(self):
-        self.shards = frozenset()
+        self.plan = EpochPlan()
 
-    def set(self, shard_indices) -> None:
-        self.shards = frozenset(shard_indices)
+    def set(self, plan: EpochPlan) -> None:
+        self.plan = plan
 
-    def get(self) -> frozenset[int]:
-        return self.shards
+    def get(self) -> EpochPlan:
+        return self.plan
 
 
-PassedOverShardsActor = ray.remote(num_cpus=0)(PassedOverShards)  # one actor per run, every read task asks it
+EpochPlanActor = ray.remote(num_cpus=0)(EpochPlanHolder)  # one actor per run, every read task asks it
 
 
 ACTOR_TIMEOUT_S = 60.0
@@ -132,6 +141,31 @@ def ask(call: ray.ObjectRef | list, what: str):
         return ray.get(call, timeout=ACTOR_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         raise TimeoutError(f"{what} did not answer in {ACTOR_TIMEOUT_S:g} s") from None
+
+
+class ShuffleWindow:
+    """A shard's samples shuffled in windows of `size` consecutive ones, each permuted from
+    (seed, shard index, window): an order of the dataset, not of the reader or the rank that reads
+    it. Samples are still encoded here, so a window costs their compressed bytes."""
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed = size, seed
+
+    def __call__(self, samples: Iterable[shards.Sample], index: int) -> Iterator[shards.Sample]:
+        if self.size <= 1:
+            yield from samples
+            return
+        window, count = [], 0
+        for sample in samples:
+            window.append(sample)
+            if len(window) == self.size:
+                yield from self._permuted(window, index, count)
+                window, count = [], count + 1
+        yield from self._permuted(window, index, count)
+
+    def _permuted(self, window: list, index: int, count: int) -> list:
+        order = np.random.default_rng([self.seed, index, count]).permutation(len(window))
+        return [window[i] for i in order]
 
 
 class Subset:
@@ -183,25 +217,51 @@ def _tagged(batches: Iterator[dict], index: int) -> Iterator[dict]:
 
 
 def read_shards(
-    batch: dict, image_size: int, max_length: int, ledger, endpoint_url: str | None, subset: Subset, passed_over=None
+    batch: dict,
+    files: tuple[str, ...],
+    image_size: int,
+    max_length: int,
+    ledger,
+    endpoint_url: str | None,
+    subset: Subset,
+    epoch_plan=None,
+    shuffle_seed: int | None = None,
+    shuffle_window: int = 0,
 ) -> Iterator[dict]:
-    """One task: shard paths in → their samples out as decoded, tokenized batches of DECODE_BATCH,
-    yielded as they fill, so memory holds a batch and one open shard whatever the shard's size.
-    Shards the `passed_over` actor (a PassedOverShardsActor) names are not read."""
-    pass_over = ask(passed_over.get.remote(), "the PassedOverShardsActor") if passed_over is not None else frozenset()
-    for shard, index in zip(batch["shard"], batch["index"]):
-        if int(index) in pass_over:
+    """One task: places in the epoch's shard order in → the samples of the shards there as decoded,
+    tokenized batches of DECODE_BATCH, yielded as they fill, so memory holds a batch and one open
+    shard whatever the shard's size. The `epoch_plan` actor (an EpochPlanActor; none: epoch 0)
+    gives the epoch, whose order `position.shard_order` draws from `shuffle_seed`, the shards not
+    to read and the rows already trained of a shard a resumed epoch had begun."""
+    plan = ask(epoch_plan.get.remote(), "the EpochPlanActor") if epoch_plan is not None else EpochPlan()
+    order, shuffle = shard_order(shuffle_seed, plan.epoch, len(files)), ShuffleWindow(shuffle_window, shuffle_seed or 0)
+    for place in batch["place"]:
+        index = order[int(place)]
+        if index in plan.passed_over:
             continue
-        yield from _tagged(_read_shard(str(shard), image_size, max_length, ledger, endpoint_url, subset), int(index))
+        skips = Counter()
+        samples = shuffle(subset(shards.iter_shard(files[index], skips, endpoint_url)), index)
+        tagged = _tagged(_decoded(samples, files[index], skips, image_size, max_length, ledger), index)
+        yield from _from_row(tagged, plan.rows_done.get(index, 0))
 
 
-def _read_shard(
-    shard: str, image_size: int, max_length: int, ledger, endpoint_url: str | None, subset: Subset
+def _from_row(batches: Iterator[dict], first: int) -> Iterator[dict]:
+    """The tagged batches' rows from row `first` of their shard on (those before it were trained)."""
+    for batch in batches:
+        if first:
+            keep = batch["row"] >= first
+            batch = {k: v[keep] for k, v in batch.items()}
+        if len(batch["row"]):
+            yield batch
+
+
+def _decoded(
+    samples: Iterable[shards.Sample], shard: str, skips: Counter, image_size: int, max_length: int, ledger
 ) -> Iterator[dict]:
     """One shard's samples as decoded batches; its skip counts go to `ledger` once it is read to
     its end (a read cut short reports nothing: the shard is read again, in full, later)."""
-    skips, pending = Counter(), []
-    for sample in subset(shards.iter_shard(shard, skips, endpoint_url)):
+    pending = []
+    for sample in samples:
         pending.append(sample)
         if len(pending) == DECODE_BATCH:
             yield _decode(pending, image_size, max_length, skips)
@@ -223,26 +283,39 @@ def build_dataset(
     subset_fraction: float | None = None,
     subset_salt: str = "subset",
     format: shards.ShardFormat = "auto",
-    passed_over=None,
+    epoch_plan=None,
     files: list[str] | None = None,
+    shuffle_window: int = 0,
+    rows_per_block: int | None = None,
 ) -> ray.data.Dataset:
     """A streaming dataset of {"image": (3,S,S) uint8, "tokens": (L,) int64} from shards at `uri`;
     the consumer normalises the pixels (`mdc.data.images.normalize`), where it is cheap (on the GPU).
     Every row also has "shard" (its index in the sorted shard list), "row" (its place in the
     shard) and "shard_rows" (the shard's row count on its last batch's rows, else 0).
 
-    The shard order is shuffled anew each epoch from `shuffle_seed` (None: sorted order); the
-    shards the `passed_over` actor names when an epoch starts are passed over. `files` is the shard
-    list when the caller has listed it; `resources` default to the whole cluster, for use outside
-    training."""
+    The shard order is shuffled anew each epoch from `shuffle_seed` (None: sorted order), and each
+    shard's rows in windows of `shuffle_window` (`ShuffleWindow`, seeded from `shuffle_seed` or 0);
+    the `epoch_plan` actor says, when an epoch starts, which epoch it is and what it passes over
+    (`read_shards`). With
+    `rows_per_block` every block but the last holds exactly that many rows (a training
+    micro-batch). `files` is the shard list when the caller has listed it; `resources` default to
+    the whole cluster, for use outside training."""
     files = files or shards.list_shards(uri, format, endpoint_url)
     resources = resources or ingest_resources(ray.cluster_resources().get("CPU", 1.0), 0.0)
-    ds = ray.data.from_items([{"shard": f, "index": i} for i, f in enumerate(files)], override_num_blocks=len(files))
-    if shuffle_seed is not None:
-        ds = ds.randomize_block_order(seed=ray.data.RandomSeedConfig(seed=shuffle_seed, reseed_after_execution=True))
+    ds = ray.data.from_items([{"place": i} for i in range(len(files))], override_num_blocks=len(files))
     ds = ds.map_batches(
         read_shards,
-        fn_args=(image_size, max_length, ledger, endpoint_url, Subset(subset_fraction, subset_salt), passed_over),
+        fn_args=(
+            tuple(files),
+            image_size,
+            max_length,
+            ledger,
+            endpoint_url,
+            Subset(subset_fraction, subset_salt),
+            epoch_plan,
+            shuffle_seed,
+            shuffle_window,
+        ),
         batch_size=1,
         batch_format="numpy",
         num_cpus=resources.cpus_per_reader,
@@ -250,8 +323,20 @@ def build_dataset(
     )
     # Ray would merge a task's batches up to 128 MiB blocks (a whole shard of small images): one
     # block per decoded batch reaches training sooner and bounds what a task holds.
-    ds.context.target_max_block_size = DECODE_BATCH * (3 * image_size**2 + 8 * (max_length + 3))  # 3 tags
+    rows = max(DECODE_BATCH, rows_per_block or 0)
+    ds.context.target_max_block_size = rows * (3 * image_size**2 + 8 * (max_length + 3))  # 3 tags
+    if rows_per_block:  # slicing and joining blocks: no CPU of its own, so it never waits for one
+        ds = ray_private.repartition_cpus(ds.repartition(target_num_rows_per_block=rows_per_block, strict=True), 0)
     return ds
+
+
+def in_order_split() -> ray.train.DataConfig:
+    """Ray Train's split of the training dataset with Ray Data told to preserve order: its splitter
+    then deals the blocks to the workers in turn (locality ignored), so which rows a worker gets
+    depends on the dataset's order alone, not on which reader finished first."""
+    options = ray.train.DataConfig.default_ingest_options()
+    options.preserve_order = True
+    return ray.train.DataConfig(datasets_to_split=["train"], execution_options={"train": options})
 
 
 # ------------------------------------------------------------------------------------------ stalls

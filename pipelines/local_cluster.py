@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 from collections.abc import Iterator
 
 import ray
 from ray.cluster_utils import Cluster
 
 from pipelines import ray_private
+from pipelines.runtime import auth_token
 
 OBJECT_STORE = 200 * 1024**2  # per node: the tests' datasets are a few MB
 IDLE_WORKERS_KEPT = "64"  # RAY_num_workers_soft_limit: idle worker processes a node keeps
@@ -36,7 +38,10 @@ def local_cluster(head_cpus: float, *nodes: dict) -> Iterator:
     (add_node's arguments), connected; after, Ray is shut down and the current-cluster file that
     the head writes (as `ray start` does) removed, so that a later `mdc` command does not try to
     join a cluster that is gone."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if auth_token() is None:  # token auth like any cluster mdc runs: the nodes and drivers inherit it
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+    if os.environ.setdefault("RAY_AUTH_MODE", "token") == "token":
+        ray_private.reread_config()
     # With Ray's default limit, a 1-CPU node killed each idle reader process a second after its
     # task, and the next task paid a new process's imports: 12 shards read by 12 processes in
     # 91-107 s, against 2 processes in 38 s with this (the raylets read it when they start).

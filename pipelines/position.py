@@ -1,24 +1,28 @@
-"""Where a run is in its data: the shards the ranks have trained on in full this epoch.
+"""Where a run is in its data: the rows of its epoch's one order that the ranks have trained.
 
-The read tasks tag every row with its shard's index in the sorted shard list and its row in the
-shard, and the rows of a shard's last batch with the shard's row count (`ingest.read_shards`).
-Each rank tallies the rows it trained on per shard (`ShardTally`); at a checkpoint the tallies
-are summed over ranks, since a shard's rows go to any rank, and a shard is *consumed* once every
-one of its rows has been trained on. Rows still in prefetch or local-shuffle buffers are not.
-The checkpoint stores the `DataPosition` (epoch, shard-order seed, the shard list's fingerprint,
-the consumed shards); a resumed run continues that epoch, its read tasks passing over the consumed
-shards without reading them (`ingest.PassedOverShardsActor`).
+An epoch's order is a function of (train.seed, epoch): its shards in a seeded order
+(`shard_order`), each shard's rows in seeded windows (`ingest.ShuffleWindow`), and step s trains
+the next global_batch_size rows of it (pipelines/ingest.py). The read tasks tag every row with its
+shard's index in the sorted shard list and its row in the shard (in that order), and the rows of
+a shard's last batch with the shard's row count. Each rank tallies the rows it trained per shard
+(`ShardTally`); at a checkpoint the tallies are summed over ranks. Since the steps trained are a
+prefix of the epoch's order, the shards it covers are *consumed* (every row trained) but for at
+most one, of which the first `partial[shard]` rows were trained. The checkpoint stores the
+`DataPosition` (epoch, seed, the shard list's fingerprint, consumed shards, partial rows); a
+resumed run — on any number of workers — reads the same epoch in the same order, its read tasks
+passing over the consumed shards unread and over the partial shard's trained rows
+(`ingest.EpochPlanActor`).
 
 Guarantee, for the weights resumed from a checkpoint (steps after it are lost and trained anew):
-no shard is lost; the shards in flight at the checkpoint (partly trained on) are read again in
-full, so at most their rows are trained on twice; after the resumed epoch, epochs are fresh
-passes. Rows an epoch cannot fill a last batch with are dropped, as in any epoch.
+the resumed run trains, from the next row of the epoch's order on, the rows the uninterrupted run
+would have: no row twice, none skipped. Rows an epoch cannot fill a last global batch with are
+dropped, as in any epoch. A changed shard list or seed starts a fresh pass.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -32,66 +36,96 @@ def fingerprint(files: list[str]) -> str:
     return hashlib.sha1("\n".join(files).encode()).hexdigest()[:16]
 
 
+def shard_order(seed: int | None, epoch: int, num_shards: int) -> list[int]:
+    """The shards' order in `epoch`: a permutation of (seed, epoch), or sorted with no seed."""
+    if seed is None:
+        return list(range(num_shards))
+    return np.random.default_rng([seed, epoch]).permutation(num_shards).tolist()
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """What the read tasks of an epoch do: the epoch (its shard order), the shards they pass over
+    unread and, of a shard the resumed epoch had begun, how many rows were already trained."""
+
+    epoch: int = 0
+    passed_over: frozenset[int] = frozenset()
+    rows_done: dict[int, int] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class DataPosition:
     epoch: int
-    shard_seed: int | None  # the seed Ray Data reseeds every pass's shard order from (train.seed)
+    shard_seed: int | None  # the seed of the epoch's order (train.seed)
     shards: str  # fingerprint of the sorted shard list
     consumed: tuple[int, ...]  # shard indices trained on in full this epoch, by all ranks together
+    partial: dict[int, int] = field(default_factory=dict)  # shard index -> its first rows trained
 
     def to_state(self) -> dict:
-        return {STATE_KEY: {**asdict(self), "consumed": list(self.consumed)}}
+        partial = {str(k): v for k, v in self.partial.items()}
+        return {STATE_KEY: {**asdict(self), "consumed": list(self.consumed), "partial": partial}}
 
     @classmethod
     def from_state(cls, extra_state: dict) -> DataPosition | None:
         raw = extra_state.get(STATE_KEY)
-        return None if raw is None else cls(**{**raw, "consumed": tuple(raw["consumed"])})
+        if raw is None:
+            return None
+        partial = {int(k): v for k, v in raw.get("partial", {}).items()}
+        return cls(**{**raw, "consumed": tuple(raw["consumed"]), "partial": partial})
 
 
 def resume_point(
     position: DataPosition | None, epoch: int, shard_seed: int | None, shards: str, num_shards: int
-) -> tuple[int, frozenset[int], str]:
-    """(epoch to train, shards it passes over, why) for a run resumed at checkpoint epoch `epoch`.
-    The checkpoint's epoch goes on with what it had not consumed, unless the position is missing
-    or belongs to other data or another seed; an epoch consumed in full is over."""
+) -> tuple[EpochPlan, str]:
+    """(the plan of the epoch to train, why) for a run resumed at checkpoint epoch `epoch`. The
+    checkpoint's epoch goes on from its next row, unless the position is missing or belongs to
+    other data or another seed; an epoch consumed in full is over."""
     if position is None:
-        return epoch + 1, frozenset(), "the checkpoint has no data position: a fresh pass"
+        return EpochPlan(epoch + 1), "the checkpoint has no data position: a fresh pass"
     if (position.shards, position.shard_seed) != (shards, shard_seed):
-        return epoch + 1, frozenset(), "the shard list or train.seed changed since the checkpoint: a fresh pass"
+        return EpochPlan(epoch + 1), "the shard list or train.seed changed since the checkpoint: a fresh pass"
     if len(position.consumed) >= num_shards:
-        return position.epoch + 1, frozenset(), f"epoch {position.epoch} was consumed in full: a fresh pass"
+        return EpochPlan(position.epoch + 1), f"epoch {position.epoch} was consumed in full: a fresh pass"
+    rows = sum(position.partial.values())
     return (
-        position.epoch,
-        frozenset(position.consumed),
-        f"epoch {position.epoch} goes on with the "
-        f"{num_shards - len(position.consumed)} of its {num_shards} shards not yet consumed",
+        EpochPlan(position.epoch, frozenset(position.consumed), dict(position.partial)),
+        f"epoch {position.epoch} goes on after {len(position.consumed)} of its {num_shards} shards"
+        + (f" and {rows} rows of the next" if rows else ""),
     )
 
 
-def consumed_shards(trained: np.ndarray, totals: np.ndarray) -> set[int]:
-    """Shards whose every row was trained on: `trained` rows per shard summed over ranks equal the
-    shard's row count, known (> 0) once a rank trained a row of its last batch."""
-    return {int(i) for i in np.flatnonzero((totals > 0) & (trained == totals))}
+def trained_shards(trained: np.ndarray, totals: np.ndarray) -> tuple[set[int], dict[int, int]]:
+    """(consumed, partial): shards whose every row was trained on — `trained` rows per shard summed
+    over ranks equal the shard's row count, known (> 0) once a rank trained a row of its last
+    batch — and, of the others, those some rows of which were."""
+    consumed = {int(i) for i in np.flatnonzero((totals > 0) & (trained == totals))}
+    partial = {int(i): int(trained[i]) for i in np.flatnonzero(trained > 0) if int(i) not in consumed}
+    return consumed, partial
 
 
 class ShardTally:
-    """One rank's rows trained on per shard in this epoch, since this process started it; `passed_over`
-    are the shards it passes over, consumed before a resume. Counted in torch on the host, from
-    the batch's host tensors: a step adds to it without reading anything back from a device."""
+    """One rank's rows trained on per shard in this epoch, since this process started it, beside
+    what its `plan` says was trained before a resume (rank 0 carries that: summed over ranks it is
+    counted once). Counted in torch on the host, from the batch's host tensors: a step adds to it
+    without reading anything back from a device."""
 
-    def __init__(self, num_shards: int, passed_over: frozenset[int] = frozenset()):
+    def __init__(self, num_shards: int, plan: EpochPlan = EpochPlan(), rank: int = 0):
         self.trained = torch.zeros(num_shards, dtype=torch.int64)
         self.totals = torch.zeros(num_shards, dtype=torch.int64)
-        self.passed_over = passed_over
+        self.passed_over = plan.passed_over
+        if rank == 0:
+            for shard, rows in plan.rows_done.items():
+                self.trained[shard] = rows
 
     def add(self, shard: torch.Tensor, shard_rows: torch.Tensor) -> None:
         self.trained += torch.bincount(shard, minlength=len(self.trained))
         self.totals.scatter_reduce_(0, shard, shard_rows, reduce="amax")
 
-    def consumed(self, device) -> tuple[int, ...]:
-        """Collective: the shards consumed this epoch by all ranks together."""
+    def position(self, device) -> tuple[tuple[int, ...], dict[int, int]]:
+        """Collective: (consumed, partial) this epoch by all ranks together (`trained_shards`)."""
         # copies: the tally must not take the reduction in place
         trained, totals = (a.to(device, copy=True) for a in (self.trained, self.totals))
         dist.all_reduce(trained)
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
-        return tuple(sorted(self.passed_over | consumed_shards(trained.cpu().numpy(), totals.cpu().numpy())))
+        consumed, partial = trained_shards(trained.cpu().numpy(), totals.cpu().numpy())
+        return tuple(sorted(self.passed_over | consumed)), partial

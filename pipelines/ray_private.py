@@ -1,7 +1,10 @@
 """Every use of Ray's private modules, in one place, for what Ray has no public switch for: the
 printer of the workers' forwarded output (replaced to route it to a file while `[mdc] ` lines
 still reach the console), the current-cluster file `ray start` writes (read; removed after a
-test cluster), and Ray Data's progress records (to say which operator a stalled run waits on). Tested on the Ray versions below;
+test cluster), Ray Data's progress records (to say which operator a stalled run waits on), the
+CPUs a streaming repartition's tasks ask for (`Dataset.repartition` takes none and asks a whole
+CPU), and Ray's configuration read again after the process set RAY_AUTH_MODE (Ray reads it when
+it is imported). Tested on the Ray versions below;
 tests/test_ray_private.py fails, naming the attribute, when an upgrade removes one."""
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import ray._common.utils
 import ray._private.ray_logging
 import ray._private.utils
 import ray._private.worker
+import ray._raylet
 
 TESTED_RAY_VERSIONS = ("2.60.0",)
 USED = (  # (module, attribute): what this module reads
@@ -22,6 +26,8 @@ USED = (  # (module, attribute): what this module reads
     ("ray._common.utils", "reset_ray_address"),
     ("ray.data._internal.stats", "STATS_ACTOR_NAME"),
     ("ray.data._internal.stats", "STATS_ACTOR_NAMESPACE"),
+    ("ray._raylet", "Config"),
+    ("ray.data._internal.logical.operators.map_operator", "StreamingRepartition"),
 )
 RAY_PRINTER = "ray_print_logs"  # the name ray.init gives its printer of forwarded worker output
 
@@ -70,6 +76,24 @@ def raylet_notices_to(route):
         yield
     finally:
         ray._private.worker.print_to_stdstream = original
+
+
+def repartition_cpus(ds: ray.data.Dataset, num_cpus: float) -> ray.data.Dataset:
+    """`ds`, the result of `repartition(target_num_rows_per_block=...)`, with its tasks asking for
+    `num_cpus`. Without it each asks a whole CPU, which a node that training leaves half a CPU
+    never has: the stream stalls."""
+    # imported on use, as data_stats_actor's: the module loads Ray Data's planner
+    from ray.data._internal.logical.operators.map_operator import StreamingRepartition
+
+    operator = ds._logical_plan.dag
+    assert isinstance(operator, StreamingRepartition), type(operator)
+    operator.ray_remote_args["num_cpus"] = num_cpus
+    return ds
+
+
+def reread_config() -> None:
+    """Ray reads its configuration (RAY_AUTH_MODE among it) when it is imported: read it again."""
+    ray._raylet.Config.initialize("")
 
 
 def data_stats_actor():

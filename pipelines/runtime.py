@@ -40,14 +40,56 @@ def _host_port(address: str) -> tuple[str, int] | None:
     return (host, int(port)) if host and port.isdigit() else None
 
 
+TOKEN_HELP = (
+    "give this process the cluster's token: RAY_AUTH_TOKEN=<token>, RAY_AUTH_TOKEN_PATH=<file>, or the file "
+    "~/.ray/auth_token (`ray get-auth-token` on the head prints it)"
+)
+
+
+def auth_token() -> str | None:
+    """The Ray token this process holds, looked up where Ray looks: RAY_AUTH_TOKEN, the file
+    RAY_AUTH_TOKEN_PATH names, else ~/.ray/auth_token."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+    return (path.read_text().strip() or None) if path.is_file() else None
+
+
+def send_token() -> None:
+    """Before joining a cluster: Ray sends its token only under RAY_AUTH_MODE=token and never turns
+    that on by itself for an explicit address, so turn it on when this process holds a token. An
+    RAY_AUTH_MODE the user set is left as it is."""
+    if "RAY_AUTH_MODE" in os.environ or auth_token() is None:
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    ray_private.reread_config()  # Ray read its config at import: read it again with the mode set
+
+
+def _join(address: str) -> None:
+    """ray.init on a cluster that answers; a refusal (Ray says only that it failed, after ~20 s of
+    retries) is one line on how to give the token, since the address itself answered."""
+    send_token()
+    try:
+        ray.init(address=address)
+    except ConnectionError:
+        mode = os.environ.get("RAY_AUTH_MODE", "unset")
+        held = "no token" if auth_token() is None or mode == "disabled" else "a token it does not accept"
+        raise UserError(
+            f"the Ray cluster at {address} answers but refused to let this driver join (RAY_AUTH_MODE {mode}, "
+            f"{held}); it most likely uses token authentication: {TOKEN_HELP}"
+        ) from None
+    _LogRoute.install()
+
+
 def connect_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Join the cluster at `address` (or RAY_ADDRESS), or the one Ray's current-cluster file names,
     else start a local instance. Idempotent. Decides in seconds: a named address that does not
     answer is a UserError; a stale current-cluster file (its head is gone) is said in one line
-    and a local instance is started. Other clusters merely running on this machine are not joined."""
+    and a local instance is started. Other clusters merely running on this machine are not joined.
+    A joined cluster gets this process's token (`send_token`); a local instance keeps Ray's own
+    token authentication (on by default since Ray 2.59)."""
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     named = address or os.environ.get("RAY_ADDRESS")
     if named and named not in ("auto", "local"):
         target = _host_port(named)
@@ -57,15 +99,13 @@ def connect_ray(address: str | None = None, num_cpus: int | None = None) -> None
                 f"out in {PROBE_TIMEOUT_S:.0f} s): start it (`ray start --head`) or drop --address / "
                 "RAY_ADDRESS to run on a local instance"
             )
-        ray.init(address=named)
-        _LogRoute.install()
+        _join(named)
         return
     recorded = ray_private.recorded_address()
     if named != "local" and recorded:
         target = _host_port(recorded)
         if target and _answers(*target):
-            ray.init(address=recorded)
-            _LogRoute.install()
+            _join(recorded)
             return
         console.print(
             f"Ray's current-cluster file names {recorded}, where nothing answers: starting a local Ray instance"

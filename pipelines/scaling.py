@@ -29,7 +29,7 @@ from mdc.config import RunConfig, build_config
 from mdc.data import shards, storage
 from mdc.evaluation import probe, readers
 from mdc.train.checkpoint import load_pretrained
-from pipelines import cluster, progress, reports, tracking
+from pipelines import cluster, model_registry, progress, reports, tracking
 from pipelines.console import UserError, console, first_line_of
 from pipelines.train import run_training
 
@@ -255,6 +255,7 @@ def run_scaling(
             outcomes = {**done, **cluster.run_all(calls, n)}
         for size in sizes:  # in size order, whatever the order of finishing
             (failures if isinstance(outcomes[size], tuple) else rows).append(outcomes[size])
+        model_registry.alias_best(mlflow_uri, {r["run_name"]: r["probe_accuracy"] for r in rows})
         title = f"{name}: {pairs_seen(base)} pairs seen per model ({base.train.steps} steps)"
         with tempfile.TemporaryDirectory() as directory:
             tracking.log_artifacts(

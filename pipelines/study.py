@@ -38,7 +38,7 @@ from mdc.data.storage import join
 from mdc.data.tuxpaint import write_tuxpaint_dataset
 from mdc.evaluation import probe
 from mdc.registry import OBJECTIVES
-from pipelines import cluster, progress, reports, tracking
+from pipelines import cluster, model_registry, progress, reports, tracking
 from pipelines.compare import evaluate_checkpoint
 from pipelines.train import run_training
 
@@ -479,6 +479,9 @@ def run_study(plan: Plan, plan_path: Path, out: Path, max_concurrent: int | None
     parent = tracking.get_or_create_run(mlflow_uri, first.experiment, f"study-{plan.name}", plan.model_dump())
     try:
         results = run_runs(plan, configs, out, parent, max_concurrent)
+        model_registry.alias_best(
+            mlflow_uri, {r["run_name"]: r["metrics"].get("probe_accuracy") for r in results.values()}
+        )
         claims = [claim_result(plan, claim, results) for claim in plan.claims]
         wall_s = time.perf_counter() - tic
         (out / "study.json").write_text(

@@ -5,6 +5,10 @@ same command again never starts a second job: a pending or running job is follow
 is reported, and a failed or stopped one is submitted again as `<id>-r1`, `<id>-r2`, ... with the
 same run name, so Ray Train resumes it from its last checkpoint. The command exits with the job's
 outcome: 0 when it succeeded, 1 when it failed or was stopped, 2 when it could not be submitted.
+
+Every request carries this process's Ray token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+~/.ray/auth_token): a cluster with token authentication refuses a Jobs API request without it,
+and that refusal is said in one line that never shows the token.
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import typer
 import yaml
 from rich.console import Console
+
+from pipelines.console import first_line_of
+from pipelines.runtime import TOKEN_HELP, auth_token
 
 console = Console(stderr=True, soft_wrap=True)  # stdout carries the job's own log
 
@@ -104,3 +112,25 @@ def follow(client, submission_id: str) -> str:
     while (status := str(client.get_job_status(submission_id).value)) not in TERMINAL:
         time.sleep(1)  # the log stream can close a moment before the status is final
     return status
+
+
+def connect(address: str | None):
+    """(client, status of every job by submission id) for the job server at `address`, the token
+    sent in the Authorization header (Ray itself sends one only under RAY_AUTH_MODE=token). Not
+    reached or refused: one line on stderr and exit code 2, instead of Ray's traceback."""
+    # Ray's job client: seconds to import, so only once the command line is checked
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
+    where = address or "RAY_ADDRESS / local head"
+    token = auth_token()
+    try:
+        client = JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"} if token else None)
+        return client, {job.submission_id: str(job.status.value) for job in client.list_jobs() if job.submission_id}
+    except AuthenticationError:
+        held = "a token it does not accept" if token else "no token"
+        message = f"the Ray job server at {where} refused the request ({held}): {TOKEN_HELP}"
+    except ConnectionError as err:
+        message = f"no Ray job server at {where}: {first_line_of(err)}"
+    console.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(2)

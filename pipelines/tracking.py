@@ -3,6 +3,7 @@ same run; evaluations into the training run or a run of their own; artifacts; th
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -12,6 +13,8 @@ from mlflow.tracking import MlflowClient
 
 RUN_NAME_TAG = "mdc.run_name"
 EVAL_EXPERIMENT = "mdc-eval"  # evaluations of a checkpoint given without a run to log into
+_OPEN: dict[str, str] = {}  # run id -> tracking URI: runs this process set RUNNING and has not ended
+_INTERRUPTED = threading.Event()  # Ctrl-C: runs this process ends from now on end KILLED
 
 
 def absolute_tracking_uri(uri: str) -> str:
@@ -66,12 +69,14 @@ def get_or_create_run(
     found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1)
     if found:
         client.update_run(found[0].info.run_id, status="RUNNING")
+        _OPEN[found[0].info.run_id] = tracking_uri
         return found[0].info.run_id
     tags = {RUN_NAME_TAG: run_name, "mlflow.runName": run_name}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     run = client.create_run(exp_id, tags=tags)
     client.log_batch(run.info.run_id, params=_params(params))
+    _OPEN[run.info.run_id] = tracking_uri
     return run.info.run_id
 
 
@@ -95,7 +100,22 @@ class MetricLogger:
 
 
 def finish_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
+    """Ends the run; after Ctrl-C a run that did not finish is KILLED, not FAILED (its trainer
+    was torn down under it), so that MLflow says it was stopped and a relaunch resumes it."""
+    if status == "FAILED" and _INTERRUPTED.is_set():
+        status = "KILLED"
     MlflowClient(tracking_uri).set_terminated(run_id, status=status)
+    _OPEN.pop(run_id, None)
+
+
+def kill_open_runs() -> list[str]:
+    """On Ctrl-C: every run this process opened and has not ended is marked KILLED (and any it
+    ends later as FAILED); returns their ids."""
+    _INTERRUPTED.set()
+    killed = list(_OPEN.items())
+    for run_id, tracking_uri in killed:
+        finish_run(tracking_uri, run_id, "KILLED")
+    return [run_id for run_id, _ in killed]
 
 
 def log_metrics(tracking_uri: str, run_id: str, metrics: dict, step: int = 0) -> None:

@@ -22,15 +22,16 @@ from mdc.config import RunConfig, TrainConfig
 from mdc.data import shards, storage
 from mdc.models.captioner import PRESETS
 from mdc.train import checkpoint as ckpt
-from pipelines import online_eval, progress, reports, tracking
+from pipelines import model_registry, online_eval, progress, reports, tracking
 from pipelines.cluster import on_driver_node
 from pipelines.console import console
 from pipelines.ingest import (
     BadRecordLedgerActor,
     DataStallError,
+    EpochPlanActor,
     IngestResources,
-    PassedOverShardsActor,
     build_dataset,
+    in_order_split,
     ingest_resources,
 )
 from pipelines.online_eval import OnlineEvaluator
@@ -86,6 +87,9 @@ def run_training(
     with progress.ProgressDisplay(channel, console) if own_display else contextlib.nullcontext():
         summary = _train(cfg, fault, parent_run_id, callbacks, channel, trained_rows_dir)
         log_training_report(cfg, summary, progress.Reporter(channel, cfg.name, cfg.train.steps))
+        model_registry.register_training_run(
+            cfg, summary.mlflow_run_id, summary.checkpoint_uri, progress.Reporter(channel, cfg.name, cfg.train.steps)
+        )
     return summary
 
 
@@ -146,7 +150,7 @@ def _train(
             callbacks=callbacks,
         ),
         datasets=datasets,
-        dataset_config=ray.train.DataConfig(datasets_to_split=["train"]),
+        dataset_config=in_order_split(),
         torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
     )
     try:
@@ -186,7 +190,7 @@ def _run_actors(cfg: RunConfig, mlflow_uri: str, run_id: str):
     here = on_driver_node()
     actors = IngestActors(
         bad_records=BadRecordLedgerActor.options(scheduling_strategy=here).remote(),
-        passed_over=PassedOverShardsActor.options(scheduling_strategy=here).remote(),
+        epoch_plan=EpochPlanActor.options(scheduling_strategy=here).remote(),
     )
     if not cfg.eval.enabled:
         return actors, None
@@ -229,8 +233,10 @@ def _datasets(cfg: RunConfig, actors: IngestActors, train_shards: list[str]) -> 
             subset_fraction=data.subset_fraction,
             subset_salt=data.subset_salt,
             format=data.format,
-            passed_over=actors.passed_over,
+            epoch_plan=actors.epoch_plan,
             files=train_shards,
+            shuffle_window=data.shuffle_buffer,
+            rows_per_block=cfg.train.batch_size,
         )
     }
     if data.val_uri:

@@ -25,7 +25,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from mdc.config import RunConfig, apply_overrides, build_config
 from mdc.evaluation.probe import probe_shapes
 from mdc.train.checkpoint import load_pretrained
-from pipelines import cluster, progress, reports, tracking
+from pipelines import cluster, model_registry, progress, reports, tracking
 from pipelines.console import console, first_line_of
 from pipelines.runtime import absolute_paths
 from pipelines.search_space import SearchSpace, _copy, to_override_list
@@ -104,9 +104,12 @@ def build_tuner(
     if space.search == "grid":
         param_space = {"point": tune.grid_search(space.grid_points())}
         samples = space.num_samples
-    else:
-        param_space = {"point": tune.sample_from(lambda _: space.draw(base, random.Random()))}
-        samples = num_samples or space.num_samples
+    else:  # the draws from train.seed, made here: the same sweep on any cluster
+        rng = random.Random(base_cfg.train.seed)
+        param_space = {
+            "point": tune.grid_search([space.draw(base, rng) for _ in range(num_samples or space.num_samples)])
+        }
+        samples = 1
     scheduler = (
         ASHAScheduler(
             time_attr="training_iteration",
@@ -217,6 +220,7 @@ def run_sweep(
     best = max(ranked, key=lambda r: r[space.rank_by]) if ranked else None
     if best:
         tracking.log_metrics(mlflow_uri, parent, {f"best_{space.rank_by}": best[space.rank_by]})
+    model_registry.alias_best(mlflow_uri, {trial_run_name(sweep, r["trial_id"]): r[space.rank_by] for r in ranked})
     tracking.finish_run(mlflow_uri, parent)
     failures = [
         (r["trial_id"] or posixpath.basename(posixpath.dirname(r["error_file"])), r["error"], r["error_file"])

@@ -30,7 +30,7 @@ class ConstantNLL(nn.Module):
         self.vocab, self.mask_id, self.pad_id, self.bos_id, self.eos_id = vocab, mask_id, pad_id, bos_id, eos_id
 
     def forward(self, images, tokens, t=None, causal=False, where=None, image_free=None):
-        return torch.zeros(int(where.sum()), self.vocab)
+        return self.decode(tokens, images, t, where)
 
     def encode(self, images):
         return images
@@ -39,7 +39,8 @@ class ConstantNLL(nn.Module):
         return features
 
     def decode(self, tokens, image_kv, t=None, where=None):
-        return torch.zeros(int(where.sum()), self.vocab)
+        """Every position's logits, or with `where` the selected ones', as the captioner's."""
+        return torch.zeros(*tokens.shape, self.vocab) if where is None else torch.zeros(int(where.sum()), self.vocab)
 
 
 class LocalSession:
@@ -193,3 +194,44 @@ def wait_until(condition: Callable[[], bool], run: Future, timeout_s: float, wha
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout_s:g} s for {what}")
         time.sleep(0.2)
+
+
+def rows_by_step(directory) -> dict[int, tuple[list[tuple[int, int]], dict[int, int]]]:
+    """From a run's `trained_rows_dir`: by step, the (shard, row) of every row trained at it (all
+    ranks, every time the step was trained) and how many each rank trained."""
+    from collections import defaultdict
+    from pathlib import Path
+
+    steps = defaultdict(lambda: ([], defaultdict(int)))
+    for path in sorted(Path(directory).glob("rank*.txt")):
+        rank = int(path.stem[len("rank") :])
+        for line in path.read_text().splitlines():
+            _, step, shard, row = map(int, line.split())
+            steps[step][0].append((shard, row))
+            steps[step][1][rank] += 1
+    return {step: (rows, dict(per_rank)) for step, (rows, per_rank) in steps.items()}
+
+
+def epoch_order(cfg, epoch: int = 0) -> list[tuple[int, int]]:
+    """(shard, row) of epoch `epoch`'s rows in the one order training reads them in
+    (pipelines/ingest.py), read here through Ray Data with order preserved (needs Ray)."""
+    from mdc.data import shards
+    from pipelines.ingest import EpochPlanActor, build_dataset
+    from pipelines.position import EpochPlan
+    from pipelines.train import image_size
+
+    plan = EpochPlanActor.remote()
+    plan.set.remote(EpochPlan(epoch))
+    files = shards.list_shards(cfg.data.train_uri, cfg.data.format, cfg.data.endpoint_url)
+    ds = build_dataset(
+        cfg.data.train_uri,
+        image_size(cfg),
+        cfg.data.max_length,
+        shuffle_seed=cfg.train.seed,
+        epoch_plan=plan,
+        files=files,
+        shuffle_window=cfg.data.shuffle_buffer,
+        rows_per_block=cfg.train.batch_size,
+    )
+    ds.context.execution_options.preserve_order = True
+    return [(int(s), int(r)) for b in ds.iter_batches(batch_format="numpy") for s, r in zip(b["shard"], b["row"])]

@@ -47,10 +47,10 @@ def test_a_step_crops_the_same_on_resume_and_differently_from_the_next_step():
     augment(torch.zeros(2, 3, 8, 8, dtype=torch.uint8), "crop_flip", 7)
     assert torch.equal(torch.rand(1), before)  # training's own random draws are untouched
     images = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8)
-    first = augment(images, "crop_flip", _augment_seed(seed=1, rank=0, step=5))
-    assert torch.equal(first, augment(images, "crop_flip", _augment_seed(seed=1, rank=0, step=5)))
-    assert not torch.equal(first, augment(images, "crop_flip", _augment_seed(seed=1, rank=0, step=6)))
-    assert not torch.equal(first, augment(images, "crop_flip", _augment_seed(seed=1, rank=1, step=5)))
+    first = augment(images, "crop_flip", _augment_seed(seed=1, step=5, chunk=0))
+    assert torch.equal(first, augment(images, "crop_flip", _augment_seed(seed=1, step=5, chunk=0)))
+    assert not torch.equal(first, augment(images, "crop_flip", _augment_seed(seed=1, step=6, chunk=0)))
+    assert not torch.equal(first, augment(images, "crop_flip", _augment_seed(seed=1, step=5, chunk=1)))
 
 
 def test_an_unknown_kind_is_refused_by_name():

@@ -268,6 +268,8 @@ def check_ray_cluster_spec(spec: dict, where: str) -> None:
     Ray Data (up before training, since the ingest budget is counted at its start), the project image
     everywhere."""
     assert str(spec["rayVersion"]) == RAY_VERSION, f"{where}: rayVersion != RAY_VERSION in cluster/Dockerfile"
+    assert spec["authOptions"] == {"mode": "token"}, f"{where}: Ray token authentication (KubeRay authOptions)"
+    assert spec["headGroupSpec"]["serviceType"] == "ClusterIP", f"{where}: the head's ports off any public address"
     groups = [("headGroupSpec", spec["headGroupSpec"])]
     assert spec["workerGroupSpecs"], f"{where}: no workerGroupSpecs"
     groups += [(f"workerGroupSpecs[{g['groupName']}]", g) for g in spec["workerGroupSpecs"]]
@@ -366,6 +368,19 @@ def test_aws_cluster_launcher_config_matches_rays_schema():
     assert cpu["min_workers"] == cpu["max_workers"] == int(TEST_VALUES["CPU_WORKERS"])  # up before training
     assert gpu["max_workers"] + spot["max_workers"] + cpu["max_workers"] <= config["max_workers"]
     assert config["docker"]["image"] == TEST_VALUES["IMAGE"]
+
+
+def test_aws_cluster_runs_token_auth_from_a_secret_and_keeps_the_dashboard_local():
+    """Every node starts Ray with RAY_AUTH_MODE=token and the token read from the Secrets Manager
+    secret the user creates (never written in the file); the dashboard listens on 127.0.0.1."""
+    [config] = load(CLUSTER / "aws" / "cluster.yaml")
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        [start] = [command for command in config[key] if "ray start" in command]
+        assert "export RAY_AUTH_MODE=token RAY_AUTH_TOKEN" in start, key
+        assert "get_secret_value(SecretId='mdc-ray-token')" in start and "region_name='us-west-2'" in start, key
+        assert start.index("RAY_AUTH_TOKEN=$(") < start.index("ray start"), key
+    [head] = [command for command in config["head_start_ray_commands"] if "ray start" in command]
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in json.dumps(config)
 
 
 # -------------------------------------------------------------------------- agreement with the CLI

@@ -13,7 +13,7 @@ epoch restarts ingest, about a minute here).
 from __future__ import annotations
 
 import pytest
-from helpers import in_background, multinode_cluster, run_overrides, wait_until
+from helpers import epoch_order, in_background, multinode_cluster, rows_by_step, run_overrides, wait_until
 from mlflow.tracking import MlflowClient
 
 from mdc.config import load_config
@@ -64,7 +64,13 @@ def test_an_elastic_group_grows_when_a_node_joins_and_shrinks_when_it_goes(one_t
     )
     logs = tmp_path / "logs"
     logs.mkdir()
-    run = in_background(run_training, cfg, fault=GroupLog(str(logs), holds=((1, 4, 0), (2, 8, 0))))
+    (tmp_path / "rows").mkdir()
+    run = in_background(
+        run_training,
+        cfg,
+        fault=GroupLog(str(logs), holds=((1, 4, 0), (2, 8, 0))),
+        trained_rows_dir=str(tmp_path / "rows"),
+    )
     wait_until(lambda: (logs / "held_1_4").exists(), run, 420, "the group of 1 to hold at step 4")
     added = add_node(one_trainer_node, **TRAINER_NODE)
     wait_until(lambda: (logs / "held_2_8").exists(), run, 420, "a group of 2 to hold at step 8")
@@ -88,3 +94,14 @@ def test_an_elastic_group_grows_when_a_node_joins_and_shrinks_when_it_goes(one_t
     losses = MlflowClient(cfg.mlflow_uri).get_metric_history(summary.mlflow_run_id, "loss")
     assert sorted({m.step for m in losses}) == list(range(1, 13))
     assert ckpt.problem(str(checkpoint(12))) is None
+
+    # Every optimiser step, whatever the group's size, trained the next 16 rows of epoch 0's one
+    # order, 16 / W on each rank; step 7, trained by the group of 2 and again after the shrink
+    # (checkpoint 6), the same rows both times.
+    order = epoch_order(cfg)
+    trained = rows_by_step(tmp_path / "rows")
+    assert sorted(trained) == list(range(1, 13))
+    for step, (rows, per_rank) in trained.items():
+        expected = sorted(order[16 * (step - 1) : 16 * step])
+        assert sorted(set(rows)) == expected and len(rows) == 16 * (2 if step == 7 else 1), step
+        assert sorted(per_rank.values()) == ([8, 8] if step in (4, 5, 6) else [8, 24] if step == 7 else [16]), step

@@ -649,7 +649,7 @@ def test_caption_lengths_fixed_predicted_and_the_reference_oracle(monkeypatch):
 
     asked, write = [], captioning.registry.write_captions
     monkeypatch.setattr(
-        captioning.registry, "write_captions", lambda m, x, o, n, d: asked.append(n) or write(m, x, o, n, d)
+        captioning.registry, "write_captions", lambda m, x, o, n, d, g: asked.append(n) or write(m, x, o, n, d, g)
     )
     result = captioning.evaluate_captions(plain, "mdc", images, lengths=(6, "reference", 20), batch_size=2)
     assert asked[0] == 6 and asked[1].tolist() == [4, 2]  # each image written at its own N'

@@ -7,7 +7,9 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from mdc.config import ConfigError, load_config
-from mdc.evaluation import probe
+from mdc.data.tokenizer import CaptionTokenizer
+from mdc.evaluation import compositionality, probe
+from mdc.registry import build_model
 from mdc.train import checkpoint as ckpt
 from pipelines import online_eval
 from pipelines.worker.checkpointer import Checkpointer
@@ -51,20 +53,28 @@ def test_rank0_hands_over_each_due_checkpoint_once_it_is_complete():
 
 
 def test_an_evaluation_scores_the_checkpoints_own_weights(shapes_dir, monkeypatch):
+    """Both evaluations are handed a model with exactly the checkpoint's weights (seed 7's: no fresh
+    build has them), in eval mode, and their figures are that model's, scored independently."""
     cfg = config("eval.probe_every=20", "eval.compositionality_every=20", f"eval.data_uri={shapes_dir}", "eval.limit=8")
-    trained, probed, probe_shapes = probe.random_init(cfg, seed=7), [], probe.probe_shapes  # weights no fresh build has
+    trained, scored = probe.random_init(cfg, seed=7), []
+    probe_shapes, evaluate_shapes = probe.probe_shapes, compositionality.evaluate_shapes
+    monkeypatch.setattr(probe, "probe_shapes", lambda m, *a, **k: scored.append(m) or probe_shapes(m, *a, **k))
     monkeypatch.setattr(
-        probe, "probe_shapes", lambda model, *a, **k: probed.append(model) or probe_shapes(model, *a, **k)
+        compositionality, "evaluate_shapes", lambda m, *a, **k: scored.append(m) or evaluate_shapes(m, *a, **k)
     )
     figures = online_eval.evaluate_weights(cfg, trained.state_dict(), ("probe", "compositionality"), threads=1)
-    (model,) = probed
-    assert not model.training
-    for (name, value), expected in zip(model.state_dict().items(), trained.state_dict().values()):
-        assert torch.equal(value, expected), name
+    assert len(scored) == 2
+    for model in scored:
+        assert not model.training
+        for (name, value), expected in zip(model.state_dict().items(), trained.state_dict().values()):
+            assert torch.equal(value, expected), name
     assert figures[online_eval.PROBE_KEY] == probe_shapes(trained, str(shapes_dir))["accuracy"]
-    subsets = [k for k in figures if k.startswith(online_eval.COMPOSITIONALITY_PREFIX)]
-    assert online_eval.COMPOSITIONALITY_PREFIX + "macro" in subsets and len(subsets) >= 3
-    assert all(0.0 <= figures[k] <= 1.0 for k in subsets)
+    alone = evaluate_shapes(trained, "mdc", str(shapes_dir), samples=cfg.eval.samples, limit=8, seed=cfg.train.seed)
+    prefix = online_eval.COMPOSITIONALITY_PREFIX
+    assert {k: v for k, v in figures.items() if k.startswith(prefix)} == {
+        **{prefix + subset: acc for subset, acc in alone["accuracy"].items()},
+        prefix + "macro": alone["macro_accuracy"],
+    }
 
 
 def test_the_summary_line_names_each_step_and_its_error():
@@ -123,6 +133,9 @@ def test_a_run_logs_the_probe_and_compositionality_against_step(ray_cluster, sha
     assert any(not torch.equal(at_10[k], at_20[k]) for k in at_20)
     final, _ = ckpt.load_pretrained(summary.checkpoint_uri)
     assert summary.online[1][online_eval.PROBE_KEY] == probe.probe_shapes(final, str(shapes_dir))["accuracy"]
+    step_10 = build_model(cfg, CaptionTokenizer)
+    step_10.load_state_dict(at_10)
+    assert summary.online[0][online_eval.PROBE_KEY] == probe.probe_shapes(step_10.eval(), str(shapes_dir))["accuracy"]
     print("online probe at steps 10, 20:", [r[online_eval.PROBE_KEY] for r in summary.online])
     artifacts = [a.path for a in client.list_artifacts(summary.mlflow_run_id, "report")]
     assert "report/online.png" in artifacts

@@ -12,7 +12,7 @@ import ray
 from pipelines import ray_private
 
 ROOT = Path(__file__).resolve().parents[1]
-PRIVATE = ("ray._private", "ray.data._internal")
+PRIVATE = ("ray._private", "ray.data._internal", "ray._raylet")
 
 
 def test_every_private_name_used_exists_in_the_installed_ray():

@@ -12,37 +12,53 @@ import torch
 from mdc.config import load_config
 from mdc.data.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
 from pipelines import ingest
-from pipelines.ingest import BadRecordLedger, PassedOverShards, Subset, read_shards
-from pipelines.position import DataPosition, ShardTally, consumed_shards, fingerprint, resume_point
+from pipelines.ingest import BadRecordLedger, EpochPlanHolder, Subset, read_shards
+from pipelines.position import (
+    DataPosition,
+    EpochPlan,
+    ShardTally,
+    fingerprint,
+    resume_point,
+    shard_order,
+    trained_shards,
+)
 
 
-def test_a_shard_is_consumed_when_its_rows_summed_over_ranks_are_all_trained():
+def test_shards_consumed_and_the_one_begun_from_rows_summed_over_ranks():
     # shard 0: 10 rows, all trained (6 + 4 on two ranks); shard 1: 10 rows, 9 trained;
     # shard 2: its last batch not trained yet (row count unknown); shard 3: never reached
     trained = np.array([6, 5, 3, 0]) + np.array([4, 4, 0, 0])
     totals = np.maximum(np.array([10, 10, 0, 0]), np.array([10, 0, 0, 0]))
-    assert consumed_shards(trained, totals) == {0}
+    assert trained_shards(trained, totals) == ({0}, {1: 9, 2: 3})
 
 
-def test_tally_counts_rows_per_shard_and_keeps_what_was_skipped(gloo_process_group):
-    tally = ShardTally(4, passed_over=frozenset({3}))
+def test_tally_counts_rows_per_shard_and_keeps_what_was_trained_before(gloo_process_group):
+    plan = EpochPlan(1, passed_over=frozenset({3}), rows_done={2: 4})
+    tally = ShardTally(4, plan)
     tally.add(torch.tensor([0, 0, 1, 2]), torch.tensor([0, 0, 0, 0]))
-    tally.add(torch.tensor([0, 1, 1]), torch.tensor([0, 3, 3]))  # shard 1's last batch: 3 rows in all
-    assert tally.trained.tolist() == [3, 3, 1, 0] and tally.totals.tolist() == [0, 3, 0, 0]
-    assert tally.consumed("cpu") == (1, 3)  # shard 0's count is not known yet: not consumed
+    tally.add(torch.tensor([0, 1, 1, 2]), torch.tensor([0, 3, 3, 6]))  # last batches: 3 and 6 rows in all
+    assert tally.trained.tolist() == [3, 3, 6, 0] and tally.totals.tolist() == [0, 3, 6, 0]
+    assert tally.position("cpu") == ((1, 2, 3), {0: 3})  # shard 0's count is not known yet: begun
+    assert ShardTally(4, plan, rank=1).trained.tolist() == [0, 0, 0, 0]  # rank 0 alone carries the rows before
 
 
-def test_resume_point_goes_on_with_the_epoch_unless_the_position_does_not_fit():
+def test_resume_point_goes_on_after_the_last_row_unless_the_position_does_not_fit():
     files = fingerprint(["a.tar", "b.tar", "c.tar"])
-    position = DataPosition(epoch=2, shard_seed=0, shards=files, consumed=(0, 2))
+    position = DataPosition(epoch=2, shard_seed=0, shards=files, consumed=(0, 2), partial={1: 5})
     assert DataPosition.from_state(position.to_state()) == position
     assert DataPosition.from_state(json.loads(json.dumps(position.to_state()))) == position
-    assert resume_point(position, 2, 0, files, 3)[:2] == (2, frozenset({0, 2}))
-    assert resume_point(None, 2, 0, files, 3)[:2] == (3, frozenset())  # an older checkpoint: fresh pass
-    assert resume_point(position, 2, 1, files, 3)[:2] == (3, frozenset())  # another seed
-    assert resume_point(position, 2, 0, fingerprint(["a.tar", "b.tar"]), 2)[:2] == (3, frozenset())
+    assert resume_point(position, 2, 0, files, 3)[0] == EpochPlan(2, frozenset({0, 2}), {1: 5})
+    assert resume_point(None, 2, 0, files, 3)[0] == EpochPlan(3)  # an older checkpoint: fresh pass
+    assert resume_point(position, 2, 1, files, 3)[0] == EpochPlan(3)  # another seed
+    assert resume_point(position, 2, 0, fingerprint(["a.tar", "b.tar"]), 2)[0] == EpochPlan(3)
     whole = DataPosition(epoch=2, shard_seed=0, shards=files, consumed=(0, 1, 2))
-    assert resume_point(whole, 2, 0, files, 3)[:2] == (3, frozenset())
+    assert resume_point(whole, 2, 0, files, 3)[0] == EpochPlan(3)
+
+
+def test_an_epochs_shard_order_is_its_seed_and_epoch():
+    assert shard_order(None, 5, 4) == [0, 1, 2, 3]
+    assert shard_order(7, 1, 50) == shard_order(7, 1, 50) != shard_order(7, 2, 50)
+    assert sorted(shard_order(7, 1, 50)) == list(range(50))
 
 
 class Actor:
@@ -60,10 +76,10 @@ def two_shards(tmp_path, damaged=False):
         generated_rows(20, image_size=32, failed_every=0), str(tmp_path), "webdataset", samples_per_shard=10
     )
     counts = damage_folder(str(tmp_path), "webdataset") if damaged else {}
-    return {
-        "shard": np.array([str(tmp_path / "00000.tar"), str(tmp_path / "00001.tar")]),
-        "index": np.array([0, 1]),
-    }, counts
+    return (str(tmp_path / "00000.tar"), str(tmp_path / "00001.tar")), counts
+
+
+PLACES = {"place": np.array([0, 1])}  # one read task for both places of the order
 
 
 @pytest.fixture
@@ -74,8 +90,8 @@ def no_ray_get(monkeypatch):
 
 def test_read_tasks_tag_rows_with_their_shard_row_and_the_shards_row_count(tmp_path, monkeypatch):
     monkeypatch.setattr(ingest, "DECODE_BATCH", 4)  # 10 rows a shard: batches of 4, 4 and 2
-    batch, _ = two_shards(tmp_path)
-    out = list(read_shards(batch, 32, 16, None, None, Subset(None, "")))
+    files, _ = two_shards(tmp_path)
+    out = list(read_shards(PLACES, files, 32, 16, None, None, Subset(None, "")))
     assert [len(b["tokens"]) for b in out] == [4, 4, 2, 4, 4, 2]
     assert np.concatenate([b["shard"] for b in out]).tolist() == [0] * 10 + [1] * 10
     assert np.concatenate([b["row"] for b in out]).tolist() == list(range(10)) * 2
@@ -86,20 +102,36 @@ def test_skipped_shards_are_not_read_and_bad_records_are_counted_once(tmp_path, 
     """Shard 0 has a corrupt JPEG, an empty and a non-UTF-8 caption; shard 1 is cut short. A
     resumed epoch that passes over shard 0 reads shard 1 again: every count stays what one pass
     counted, in the live counter and in one restored from a checkpoint."""
-    batch, damaged = two_shards(tmp_path, damaged=True)
-    counts, skips = BadRecordLedger(), PassedOverShards()
-    first = list(read_shards(batch, 32, 16, Actor(counts), None, Subset(None, ""), Actor(skips)))
+    files, damaged = two_shards(tmp_path, damaged=True)
+    counts, plan = BadRecordLedger(), EpochPlanHolder()
+    first = list(read_shards(PLACES, files, 32, 16, Actor(counts), None, Subset(None, ""), Actor(plan)))
     assert counts.get() == damaged and set(np.concatenate([b["shard"] for b in first])) == {0, 1}
 
-    skips.set({0})
-    again = list(read_shards(batch, 32, 16, Actor(counts), None, Subset(None, ""), Actor(skips)))
+    plan.set(EpochPlan(0, passed_over=frozenset({0})))
+    again = list(read_shards(PLACES, files, 32, 16, Actor(counts), None, Subset(None, ""), Actor(plan)))
     assert set(np.concatenate([b["shard"] for b in again])) == {1}
     assert counts.get() == damaged
 
     relaunched = BadRecordLedger()
     relaunched.restore(json.loads(json.dumps(counts.state())))  # as a checkpoint carries it
-    list(read_shards(batch, 32, 16, Actor(relaunched), None, Subset(None, ""), Actor(skips)))
+    list(read_shards(PLACES, files, 32, 16, Actor(relaunched), None, Subset(None, ""), Actor(plan)))
     assert relaunched.get() == damaged
+
+
+def test_a_resumed_epoch_reads_its_order_from_the_next_row(tmp_path, monkeypatch, no_ray_get):
+    """Epoch 3's order (shards seeded by (seed, epoch), rows in seeded windows); resumed after shard
+    order[0] and 6 rows of order[1], the read tasks yield the rest of that order and nothing else."""
+    monkeypatch.setattr(ingest, "DECODE_BATCH", 4)
+    files, _ = two_shards(tmp_path)
+    plan = EpochPlanHolder()
+    plan.set(EpochPlan(3))
+    options = (None, Subset(None, ""), Actor(plan), 11, 4)
+    whole = [r for b in read_shards(PLACES, files, 32, 16, None, *options) for r in zip(b["shard"], b["row"])]
+    first, second = shard_order(11, 3, 2)
+    assert [s for s, _ in whole] == [first] * 10 + [second] * 10
+    plan.set(EpochPlan(3, passed_over=frozenset({first}), rows_done={second: 6}))
+    rest = [r for b in read_shards(PLACES, files, 32, 16, None, *options) for r in zip(b["shard"], b["row"])]
+    assert rest == whole[16:]
 
 
 # ------------------------------------------------------------------------------------- on Ray
@@ -119,10 +151,10 @@ def trained_rows(directory) -> list[tuple[int, int, int, int, int]]:
 @pytest.mark.ray
 @pytest.mark.timeout(600)  # ~1.5 min alone; minutes on a shared machine
 def test_a_resumed_run_trains_the_rest_of_its_epoch(ray_cluster, tmp_path):
-    """Rank 1 dies once checkpoint 3 is complete (each rank has trained 24 rows: shards in flight).
-    The restarted group goes on with epoch 0 without the shards consumed by then: epoch 0 trains
-    the rows an uninterrupted epoch does (epoch 1 of the same run: every row once), only rows of
-    shards in flight at the checkpoint twice, and every checkpoint holds what was consumed."""
+    """Rank 1 dies once checkpoint 3 is complete (48 rows trained: 3 of the 8 shards and no more).
+    The restarted group goes on with epoch 0 from its next row: epoch 0 trains every row exactly
+    once, as epoch 1 does, and every checkpoint holds the shards consumed and the rows begun that
+    the rows trained say."""
     from pipelines.train import Fault, run_training
 
     write_img2dataset_folder(
@@ -140,7 +172,6 @@ def test_a_resumed_run_trains_the_rest_of_its_epoch(ray_cluster, tmp_path):
             f"data.train_uri={tmp_path / 'data'}",
             "data.val_uri=null",
             "data.max_length=16",
-            "data.shuffle_buffer=0",
             "train.batch_size=8",
             "train.num_workers=2",
             "train.steps=17",
@@ -162,30 +193,18 @@ def test_a_resumed_run_trains_the_rest_of_its_epoch(ray_cluster, tmp_path):
     rows = trained_rows(tmp_path / "rows")
     steps = Counter((rank, step) for rank, _, step, _, _ in rows)
     assert steps == {(r, s): 8 for r in (0, 1) for s in range(1, 18)}  # each step once a rank, 8 rows
-    every_row = {(s, r) for s in range(SHARDS) for r in range(ROWS_PER_SHARD)}
-    before = [(s, r) for _, epoch, step, s, r in rows if epoch == 0 and step <= 3]
-    after = [(s, r) for _, epoch, step, s, r in rows if epoch == 0 and step > 3]
-    per_shard = Counter(s for s, _ in before)
-    consumed = {s for s, n in per_shard.items() if n == ROWS_PER_SHARD}
-    in_flight = set(per_shard) - consumed
-
-    assert consumed and in_flight  # 24 rows a rank: one shard trained, one part-trained, if blocks stay whole
-    epoch_of = {step: epoch for _, epoch, step, _, _ in rows}
-    end_of_epoch0 = max(step for step, epoch in epoch_of.items() if epoch == 0)
+    every_row = sorted((s, r) for s in range(SHARDS) for r in range(ROWS_PER_SHARD))
+    for epoch in (0, 1):  # 8 steps an epoch; epoch 0 resumed after its step 3
+        assert sorted((s, r) for _, e, _, s, r in rows if e == epoch) == every_row
     for step in (3, 6, 9, 12, 15, 17):  # each checkpoint's position is what the rows trained say
-        epoch = epoch_of[step]
-        first, carried = (1, set()) if step <= 3 else (4, consumed) if epoch == 0 else (end_of_epoch0 + 1, set())
-        since = Counter(s for _, e, t, s, _ in rows if e == epoch and first <= t <= step)
-        expected = carried | {s for s, n in since.items() if n == ROWS_PER_SHARD}
+        epoch = next(e for _, e, t, _, _ in rows if t == step)
+        trained = Counter(s for _, e, t, s, _ in rows if e == epoch and t <= step)
+        consumed = {s for s, n in trained.items() if n == ROWS_PER_SHARD}
+        partial = {s: n for s, n in trained.items() if n < ROWS_PER_SHARD}
+        assert len(partial) <= 1  # the steps trained are a prefix of the epoch's order
         for rank in (0, 1):
             saved = json.loads(
                 (tmp_path / "ckpt" / "resume" / f"checkpoint_{step:08d}" / f"extra_rank{rank}.json").read_text()
             )["data_position"]
-            assert (saved["epoch"], set(saved["consumed"])) == (epoch, expected), (step, rank)
-    assert set(before) | set(after) == every_row  # none lost
-    assert len(before) == len(set(before)) and len(after) == len(set(after))
-    assert {s for s, _ in after}.isdisjoint(consumed)  # consumed shards were not read again
-    assert {s for s, _ in set(before) & set(after)} <= in_flight  # only rows in flight seen twice
-    assert len(after) == (SHARDS - len(consumed)) * ROWS_PER_SHARD
-    epoch1 = [(s, r) for _, epoch, _, s, r in rows if epoch == 1]
-    assert sorted(epoch1) == sorted(every_row)  # after the resumed epoch: a fresh pass
+            partial_saved = {int(k): v for k, v in saved["partial"].items()}
+            assert (saved["epoch"], set(saved["consumed"]), partial_saved) == (epoch, consumed, partial), (step, rank)

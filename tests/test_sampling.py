@@ -102,11 +102,16 @@ def test_confidence_commits_the_k_most_confident_per_step(model, monkeypatch, k)
         assert torch.equal(after[~committed], tokens[~committed])
 
 
-def test_confidence_with_too_few_steps_commits_the_rest_at_the_end(model, monkeypatch):
+@pytest.mark.parametrize(
+    "steps, seen", [(2, [12, 6]), (4, [12, 10, 8, 6]), (6, [12, 10, 8, 6, 4, 2]), (9, [12, 10, 8, 6, 4, 2])]
+)
+def test_fixed_schedule_makes_exactly_steps_passes(model, monkeypatch, steps, seen):
+    """N' = 6 (2 rows) in min(steps, 6) passes of ⌊6/steps⌋ (at least 1), the last committing the
+    rest: no extra pass after it."""
     calls = record_decode(model, monkeypatch)
-    out = sample_masked(model, images(), length=6, steps=2)
+    out = sample_masked(model, images(), length=6, steps=steps)
     assert not (out == MASK).any()
-    assert [int((tokens == MASK).sum()) for tokens, _ in calls] == [12, 10, 8]
+    assert [int((tokens == MASK).sum()) for tokens, _ in calls] == seen
 
 
 @pytest.mark.parametrize("strategy", ["ancestral", "confidence"])
@@ -359,7 +364,7 @@ def record_t(model, monkeypatch):
 @torch.no_grad()
 def test_the_decoder_is_told_the_share_still_masked(monkeypatch):
     """t = masked / N' per caption (4 holes and 1 here), guidance's null-image pass included, and
-    t = 0 for the pass that commits the rest when the steps run out."""
+    with `steps` given, the last pass (which commits the rest) is told the share still masked too."""
     torch.manual_seed(0)
     guided = Captioner("tiny", max_length=12, null_image=True).eval()
     calls = record_t(guided, monkeypatch)
@@ -374,8 +379,8 @@ def test_the_decoder_is_told_the_share_still_masked(monkeypatch):
         torch.testing.assert_close(t_null, torch.tensor(share))
         assert torch.equal(where, where_null) and where.sum(1).tolist() == [round(4 * share[0]), int(share[1] > 0)]
     calls.clear()
-    sample_masked(guided, images(), tokens=tokens, steps=2)  # 4 and 1 holes, 2 passes: a third for the rest
-    assert [t.tolist() for _, t, _ in calls] == [[1.0, 1.0], [0.75, 0.0], [0.0, 0.0]]
+    sample_masked(guided, images(), tokens=tokens, steps=2)  # 4 and 1 holes in 2 passes: 2 and 1, then the rest
+    assert [t.tolist() for _, t, _ in calls] == [[1.0, 1.0], [0.5, 0.0]]
 
 
 @torch.no_grad()

@@ -1,8 +1,10 @@
 """`mdc submit` against a real Ray head started here (`ray start --head`, its own ports and temp dir,
-so it never meets the test session's in-process Ray): a tiny training job is followed to success,
-and submitting the same command again starts nothing; failed and running jobs are handled by id."""
+so it never meets the test session's in-process Ray, with token authentication as every shipped
+cluster has it): a tiny training job is followed to success, and submitting the same command again
+starts nothing; failed and running jobs are handled by id."""
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -10,7 +12,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -75,15 +79,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class Head:
+    url: str  # the dashboard (Jobs API)
+    gcs: str  # what `ray.init(address=...)` joins
+    token: str  # its RAY_AUTH_TOKEN
+
+
 @pytest.fixture(scope="module")
 def ray_head():
-    """A Ray head in its own process group on free ports, whose jobs find `mdc` on PATH; yields the
-    dashboard URL. Stopped by killing that group only (never `ray stop`, which would end every Ray
-    instance of this user)."""
+    """A Ray head with token authentication (RAY_AUTH_MODE=token and a fresh RAY_AUTH_TOKEN) in its
+    own process group on free ports, whose jobs find `mdc` on PATH. Stopped by killing that group
+    only (never `ray stop`, which would end every Ray instance of this user)."""
     temp_dir = tempfile.mkdtemp(prefix="mdc-", dir="/tmp")  # short: Ray's socket paths have a limit
     ports = {flag: _free_port() for flag in PORT_FLAGS}
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="disabled", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    token = secrets.token_hex(16)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
     log = open(Path(temp_dir, "head.log"), "w")
     head = subprocess.Popen(
         [
@@ -111,12 +123,14 @@ def ray_head():
             try:
                 urllib.request.urlopen(f"{url}/api/version", timeout=2).read()
                 break
+            except urllib.error.HTTPError:  # any HTTP answer (a 401 here) means the head is up
+                break
             except OSError:
                 if head.poll() is not None or time.monotonic() > deadline:
                     log.flush()
                     raise RuntimeError("Ray head did not start:\n" + Path(log.name).read_text()[-3000:]) from None
                 time.sleep(0.5)
-        yield url
+        yield Head(url, f"127.0.0.1:{ports['port']}", token)
     finally:
         os.killpg(head.pid, signal.SIGKILL)  # a throwaway cluster: no graceful shutdown needed
         head.wait(timeout=5)
@@ -132,16 +146,18 @@ def mdc_submit(url: str, *args: str):
     return result
 
 
-def jobs(url: str) -> dict[str, str]:
+def jobs(head: Head) -> dict[str, str]:
     from ray.job_submission import JobSubmissionClient
 
-    return {j.submission_id: str(j.status.value) for j in JobSubmissionClient(url).list_jobs()}
+    client = JobSubmissionClient(head.url, headers={"Authorization": f"Bearer {head.token}"})
+    return {j.submission_id: str(j.status.value) for j in client.list_jobs()}
 
 
 @pytest.mark.ray
 @pytest.mark.timeout(360)
-def test_submit_follows_training_and_is_idempotent(ray_head, tmp_path):
-    url = ray_head
+def test_submit_follows_training_and_is_idempotent(ray_head, tmp_path, monkeypatch):
+    url = ray_head.url
+    monkeypatch.setenv("RAY_AUTH_TOKEN", ray_head.token)
     write_shapes_dataset(str(tmp_path / "shapes"), num=120, seed=0, samples_per_shard=60)
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     train = [
@@ -172,12 +188,12 @@ def test_submit_follows_training_and_is_idempotent(ray_head, tmp_path):
     assert first.exit_code == 0, first.output[-4000:]
     assert "submitted step 6/6" in first.stdout  # the job's log was followed (the progress line)
     assert "mdc-submitted SUCCEEDED" in first.stderr
-    assert jobs(url) == {"mdc-submitted": "SUCCEEDED"}
+    assert jobs(ray_head) == {"mdc-submitted": "SUCCEEDED"}
 
     again = mdc_submit(url, "--", *train)
     assert again.exit_code == 0, again.stderr
     assert "already SUCCEEDED" in again.stderr
-    assert jobs(url) == {"mdc-submitted": "SUCCEEDED"}  # no second job
+    assert jobs(ray_head) == {"mdc-submitted": "SUCCEEDED"}  # no second job
     client = MlflowClient(mlflow_uri)
     [run] = client.search_runs([client.get_experiment_by_name("mdc").experiment_id])
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
@@ -186,17 +202,21 @@ def test_submit_follows_training_and_is_idempotent(ray_head, tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.timeout(180)
-def test_failed_job_is_resubmitted_and_running_job_followed(ray_head):
-    url = ray_head
+def test_failed_job_is_resubmitted_and_running_job_followed(ray_head, monkeypatch):
+    url = ray_head.url
+    monkeypatch.setenv("RAY_AUTH_TOKEN", ray_head.token)
     failing = ["--submission-id", "broken", "--", "python", "-c", "import sys; sys.exit(3)"]
     assert mdc_submit(url, *failing).exit_code == 1
     retry = mdc_submit(url, *failing)
     assert retry.exit_code == 1 and "resubmitting as broken-r1" in retry.stderr
-    assert {k: v for k, v in jobs(url).items() if k.startswith("broken")} == {"broken": "FAILED", "broken-r1": "FAILED"}
+    assert {k: v for k, v in jobs(ray_head).items() if k.startswith("broken")} == {
+        "broken": "FAILED",
+        "broken-r1": "FAILED",
+    }
 
     sleeper = ["--submission-id", "sleeper", "--", "python", "-c", "import time; time.sleep(8); print('woke')"]
     assert mdc_submit(url, "--no-wait", *sleeper).exit_code == 0
     follow = mdc_submit(url, *sleeper)
     assert follow.exit_code == 0, follow.stderr
     assert "following it instead of submitting again" in follow.stderr and "woke" in follow.stdout
-    assert [k for k in jobs(url) if k.startswith("sleeper")] == ["sleeper"]
+    assert [k for k in jobs(ray_head) if k.startswith("sleeper")] == ["sleeper"]

@@ -50,3 +50,34 @@ def test_without_augmentation_every_step_sees_the_batch_itself(gloo_process_grou
     trainer = local_trainer(tmp_path, 3, 3, same_images=True)
     seen = inputs_by_step(trainer, monkeypatch)
     assert all(torch.equal(images, normalize(trainer.session.batches[0]["image"])) for images in seen.values())
+
+
+def test_a_chunk_gets_the_same_noise_and_crops_on_any_rank_and_split(gloo_process_group, tmp_path):
+    """A global batch of two micro-batch chunks: trained as 1 rank × 2 micro-batches, or as rank 0
+    and rank 1 of a group of 2 with one micro-batch each, every chunk is cropped alike and draws the
+    same noise, so the step's loss is the mean of the two ranks' losses (to float rounding). Keyed by
+    rank instead, rank 1's chunk would be cropped and masked as rank 0's."""
+    from mdc.registry import compute_loss
+    from mdc.train.step import device_step
+    from pipelines.worker.seeds import noise_generator, rank_chunks
+
+    trainer = local_trainer(tmp_path, 1, 1, "data.augment=crop", "train.global_batch_size=4", "train.batch_size=2")
+    batch = trainer.session.batches[0]
+    images, tokens = trainer._inputs(batch, 7, rank_chunks(0, 1, 2))
+    halves = [{k: v[2 * r : 2 * r + 2] for k, v in batch.items()} for r in (0, 1)]
+    by_rank = [trainer._inputs(half, 7, rank_chunks(r, 2, 1)) for r, half in enumerate(halves)]
+    assert torch.equal(images, torch.cat([by_rank[0][0], by_rank[1][0]]))
+    assert not torch.equal(by_rank[1][0], trainer._inputs(halves[1], 7, rank_chunks(0, 2, 1))[0])
+
+    model, objective = trainer.model, trainer.cfg.objective
+    with torch.no_grad():
+        rank_losses = [
+            compute_loss(model, imgs, toks, objective, noise_generator(0, 7, chunk, "cpu"))[0]
+            for r, (imgs, toks) in enumerate(by_rank)
+            for chunk in rank_chunks(r, 2, 1)
+        ]
+    noise = [noise_generator(0, 7, chunk, "cpu") for chunk in rank_chunks(0, 1, 2)]
+    loss = device_step(
+        model, trainer.optimizer, trainer.scheduler, images, tokens, objective, 1.0, noise, micro_batches=2
+    )
+    torch.testing.assert_close(loss["loss"], torch.stack(rank_losses).mean(), rtol=1e-6, atol=0)

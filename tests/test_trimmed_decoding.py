@@ -28,12 +28,21 @@ LENGTH = 10
 
 def sharp_model(*overrides):
     """A tiny untrained model whose logits spread over ±20, so argmax and confidence ranks are
-    decided by margins far above float32 rounding."""
+    decided by margins far above float32 rounding, and whose cross-attention is sharp (queries and
+    keys ×10): each position reads the patches that match it, so each image gets its own caption
+    (an untrained model's soft attention averages every image to about the same one)."""
     torch.manual_seed(0)
     model = build_model(load_config(None, [f"data.max_length={LENGTH}", *overrides]), CaptionTokenizer).eval()
     with torch.no_grad():
         model.token_embed.weight.mul_(30.0)
+        for block in model.blocks:
+            block.cross_attn.q.weight.mul_(10.0)
+            block.cross_attn.kv.weight.mul_(10.0)
     return model
+
+
+def distinct_rows(tokens: torch.Tensor) -> int:
+    return len(set(map(tuple, tokens.tolist())))
 
 
 def images(b=4, seed=0):
@@ -75,6 +84,7 @@ def reference_sample_masked(model, pixels, steps=None, strategy="confidence", gu
         return token, conf
 
     masked, steps = tokens == model.mask_id, steps or LENGTH
+    per_pass = max(1, LENGTH // steps)  # the fixed schedule: ⌊N'/steps⌋ a pass, the last pass the rest
     for step in range(steps):
         proposal, conf = propose(masked.sum(1) / LENGTH)
         if strategy == "ancestral":
@@ -82,10 +92,8 @@ def reference_sample_masked(model, pixels, steps=None, strategy="confidence", gu
             commit = masked & (torch.rand(tokens.shape, generator=generator) < (t_now - t_next) / t_now)
         else:
             rank = torch.where(masked, conf, -1.0).argsort(dim=1, descending=True).argsort(dim=1)
-            commit = masked & (rank == 0)
+            commit = masked & (rank < per_pass) if step < steps - 1 else masked
         tokens, masked = torch.where(commit, proposal, tokens), masked & ~commit
-    if masked.any():
-        tokens = torch.where(masked, propose(torch.zeros(len(tokens)))[0], tokens)
     return tokens
 
 
@@ -93,7 +101,7 @@ def reference_sample_masked(model, pixels, steps=None, strategy="confidence", gu
     "overrides, options",
     [
         ((), {}),
-        ((), {"steps": 4}),  # fewer passes than positions: the rest committed at once
+        ((), {"steps": 4}),  # fewer passes than positions: ⌊N'/4⌋ a pass, the last the rest
         (("model.time_conditioning=true",), {}),
         (("objective.image_free_prob=0.5",), {"guidance_scale": 2.0}),
         ((), {"strategy": "ancestral", "steps": 5}),
@@ -105,6 +113,7 @@ def test_trimmed_masked_sampler_writes_the_untrimmed_tokens(overrides, options):
     for seed in range(3):
         trimmed = sample_masked(model, pixels, LENGTH, generator=torch.Generator().manual_seed(seed), **options)
         assert torch.equal(trimmed, reference_sample_masked(model, pixels, seed=seed, **options))
+        assert distinct_rows(trimmed) == len(pixels)  # the captions follow the images: a row mix-up shows
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
@@ -227,6 +236,57 @@ def test_threshold_commits_every_confident_position_and_at_least_one(monkeypatch
     image_kv = model.image_keys_values(model.encode(pixels))
     first = model.project(model.hidden_states(torch.full((2, LENGTH), model.mask_id), image_kv))
     assert torch.equal(one_pass, first.argmax(-1))  # the first pass's choice everywhere
+
+
+@torch.no_grad()
+def naive_schedule_sample(model, pixels, steps=None, schedule="fixed", threshold=None):
+    """Confidence decoding with a schedule, row by row in plain Python over the untrimmed output
+    layer: pass s of S commits the `count` most probable masked positions (linear: ⌈left/(S − s)⌉;
+    cosine: all but ⌊N'·cos(π/2·(s + 1)/S)⌋, at least one; a threshold: every position at least
+    that probable, and the most probable one), the last pass every position left."""
+    image_kv = model.image_keys_values(model.encode(pixels))
+    tokens, steps = torch.full((len(pixels), LENGTH), model.mask_id), steps or LENGTH
+    for step in range(steps):
+        masked = tokens == model.mask_id
+        if not masked.any():
+            break
+        t = masked.sum(1) / LENGTH
+        conf, proposal = full_logits(model, model.hidden_states(tokens, image_kv, t=t)).softmax(-1).max(-1)
+        for row in range(len(tokens)):
+            left = [i for i in range(LENGTH) if masked[row, i]]
+            ranked = sorted(left, key=lambda i: -float(conf[row, i]))
+            if step == steps - 1:
+                chosen = ranked
+            elif threshold is not None:
+                chosen = [i for i in ranked if float(conf[row, i]) >= threshold] or ranked[:1]
+            elif schedule == "linear":
+                chosen = ranked[: math.ceil(len(left) / (steps - step))]
+            else:  # cosine
+                stays = math.floor(LENGTH * math.cos(math.pi / 2 * (step + 1) / steps))
+                chosen = ranked[: max(1, len(left) - stays)]
+            for i in chosen:
+                tokens[row, i] = proposal[row, i]
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"steps": 3, "schedule": "cosine"},
+        {"steps": 4, "schedule": "linear"},
+        {"steps": 6, "schedule": "cosine"},
+        {"threshold": 0.5},
+        {"threshold": 0.9, "steps": 3},
+    ],
+    ids=["cosine-3", "linear-4", "cosine-6", "threshold", "threshold-3-steps"],
+)
+def test_schedules_write_the_naive_loops_tokens(options):
+    """Token by token, each image its own caption (a schedule's count or order wrong, or rows mixed
+    up, changes tokens; positions per pass summed over the batch could not tell)."""
+    model, pixels = sharp_model(), images()
+    trimmed = sample_masked(model, pixels, LENGTH, **options)
+    assert torch.equal(trimmed, naive_schedule_sample(model, pixels, **options))
+    assert distinct_rows(trimmed) == len(pixels)
 
 
 def test_schedules_are_for_the_confidence_strategy():

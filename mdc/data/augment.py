@@ -2,8 +2,8 @@
 
 Applied after ingest (which ships fixed centre crops) and before normalising, so it costs no data
 pipeline change and runs on the training device. Crop boxes are torchvision's RandomResizedCrop
-boxes, drawn from a seed with the global generator forked: a resumed run augments its steps as the
-uninterrupted run would have, and training's own random draws are untouched. Flipping is a
+boxes, drawn from a seed of their own (mdc/seeding.py): a resumed run augments its steps as the
+uninterrupted run would have, whatever else draws random numbers meanwhile. Flipping is a
 separate choice because it changes what a caption says of "left" and "right" (the shapes data).
 """
 
@@ -13,6 +13,8 @@ import torch
 from torchvision.transforms import RandomResizedCrop
 from torchvision.transforms.v2 import functional as TF
 
+from mdc.seeding import drawing_from
+
 SCALE = (0.5, 1.0)  # share of the image's area a crop keeps
 RATIO = (3 / 4, 4 / 3)
 
@@ -21,8 +23,7 @@ def draws(num: int, size: int, seed: int) -> list[tuple[tuple[int, int, int, int
     """Each of `num` images' crop box (top, left, height, width) of a size × size image and whether
     it is mirrored (probability 1/2), from `seed` alone."""
     shape = torch.empty(1, size, size)  # get_params reads only the size
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with drawing_from(seed):
         return [
             (tuple(RandomResizedCrop.get_params(shape, list(SCALE), list(RATIO))), bool(torch.rand(()) < 0.5))
             for _ in range(num)

@@ -86,6 +86,13 @@ def caption_lengths(model, objective: str, images: Sequence[CaptionImage], lengt
     return int(length)
 
 
+def _wait_for(device: torch.device) -> None:
+    """A GPU runs kernels after the call that queued them returns: the clock is read once they
+    are done, or captions/s would count kernel launches (CDLM's writer syncs nowhere itself)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def evaluate_captions(
     model,
     objective: str,
@@ -93,13 +100,15 @@ def evaluate_captions(
     lengths: Sequence[int | str] = (10, 15, 20),
     decoding: Decoding | None = None,
     batch_size: int = 32,
+    seed: int = 0,
 ) -> dict:
     """BLEU-4, CIDEr-D and captions per second at each length — a fixed N', `predicted` (the length
     head's) or `reference` (each image's median reference length, an upper bound) — with every
     caption written. Autoregressive models stop at EOS: for them a length is the most tokens.
 
     Fixed lengths above the model's max_length cannot be written (no position embedding) and are
-    listed under `skipped_lengths`, as are `predicted` and `reference` for writers of a fixed length."""
+    listed under `skipped_lengths`, as are `predicted` and `reference` for writers of a fixed length.
+    Samplers that draw (continuous denoising, ancestral) draw from `seed`, each length afresh."""
     decoding = decoding or Decoding()
     device = next(model.parameters()).device
     max_length = model.pos_embed.shape[1] - 1
@@ -111,13 +120,15 @@ def evaluate_captions(
     ]
     results, generated = {}, {}
     for length in chosen:
-        captions, seconds = [], 0.0
+        captions, seconds, generator = [], 0.0, torch.Generator(device).manual_seed(seed)
         for i in range(0, len(images), batch_size):
             batch = images[i : i + batch_size]
             pixels = preprocess([img.image for img in batch], model.image_size).to(device)
             n = caption_lengths(model, objective, batch, length, tokenizer, pixels)
+            _wait_for(device)
             tic = time.perf_counter()
-            tokens = registry.write_captions(model, pixels, objective, n, decoding)
+            tokens = registry.write_captions(model, pixels, objective, n, decoding, generator)
+            _wait_for(device)
             seconds += time.perf_counter() - tic
             captions += tokenizer.decode(tokens)
         generated[str(length)] = captions

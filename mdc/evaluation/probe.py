@@ -96,9 +96,8 @@ def linear_probe(train: Split, test: Split, features: Callable[[Split], np.ndarr
 
 
 def random_init(cfg, seed: int = 0):
-    """The same architecture with fresh random weights: the baseline a probe must beat."""
-    torch.manual_seed(seed)
-    return build_model(cfg, CaptionTokenizer).eval()
+    """The same architecture with fresh random weights from `seed`: the baseline a probe must beat."""
+    return build_model(cfg, CaptionTokenizer, seed=seed).eval()
 
 
 def probe_shapes(model, data_uri: str, endpoint_url: str | None = None, baseline=None, batch_size: int = 128) -> dict:

@@ -274,7 +274,9 @@ class Captioner(nn.Module):
         """Logits (B, L, V − 2) for `tokens` given image features (or their precomputed K/V).
 
         With `where` (B, L) boolean, only the logits at those positions, flattened to (M, V − 2):
-        the output layer is the decoder's largest matmul, so losses project only what they score.
+        the output layer is the decoder's largest matmul, so samplers and scorers project only what
+        they use. A boolean index has a data-dependent shape (the host waits for the device), so the
+        masked training losses project every position instead (mdc/objectives/masked.py).
 
         With `cache` (one dict per block) only the new tokens are passed, starting at position
         `offset`; attention over the cached prefix is implicit, so this path is causal by design.

@@ -8,7 +8,8 @@ teacher forcing adds them here.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from mdc.objectives.positions import position_nll, projected
 
 
 def autoregressive_io(tokens: torch.Tensor, bos_id: int, eos_id: int, pad_id: int):
@@ -31,6 +32,6 @@ def autoregressive_loss(model, images, tokens, parallel_prob: float = 0.0, gener
     parallel = torch.rand(tokens.shape[0], generator=generator, device=tokens.device) < parallel_prob
     real = targets != model.pad_id
     inputs = torch.where(parallel[:, None], model.mask_id, inputs)
-    logits = model(images, inputs, causal=~parallel, where=real)
-    loss = F.cross_entropy(logits, targets[real])
+    logits = model(images, inputs, causal=~parallel, where=projected(real))
+    loss = position_nll(logits, targets, real).sum() / real.sum()
     return loss, {"parallel_fraction": parallel.float().mean()}

@@ -15,9 +15,9 @@ has unbounded variance as t → 0, and the interval below ε holds a share ε of
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from mdc import ddcap
+from mdc.objectives.positions import position_nll, projected
 
 T_MIN = 1e-3  # the smallest noise level the ELBO estimators draw (MDLM's sampling_eps)
 
@@ -52,10 +52,10 @@ def mask_tokens(
     real = tokens != pad_id
     u = torch.rand(tokens.shape, generator=generator, device=tokens.device)
     masked = (u < t[:, None]) & real
-    empty = ~masked.any(dim=1) & real.any(dim=1)
-    if force_one and empty.any():
+    if force_one:  # fixed shapes, no `if empty.any()`: a branch on a device value waits for the device
+        empty = ~masked.any(dim=1) & real.any(dim=1)
         pick = torch.where(real, u, torch.inf).argmin(dim=1)  # a uniformly random real position
-        masked[empty, pick[empty]] = True
+        masked = masked | ((torch.arange(tokens.shape[1], device=tokens.device) == pick[:, None]) & empty[:, None])
     return torch.where(masked, mask_id, tokens), masked
 
 
@@ -88,17 +88,17 @@ def masked_diffusion_loss(
         ddcap_options["image_free"] = torch.rand(b, generator=generator, device=tokens.device) < image_free_prob
     if getattr(model, "length_head", None) is not None:
         ddcap_options["return_length"] = True
-    out = model(images, noisy, t=t, causal=False, where=masked, **ddcap_options)
+    out = model(images, noisy, t=t, causal=False, where=projected(masked), **ddcap_options)
     logits, length_logits = out if "return_length" in ddcap_options else (out, None)
-    nll = F.cross_entropy(logits, tokens[masked], reduction="none")
+    nll = position_nll(logits, tokens, masked)  # (B, L), 0 where not masked
+    count = masked.sum()
     if kind == "mdc":
-        weight = (1.0 / t)[:, None].expand_as(masked)[masked]
-        loss = (weight * nll).sum() / (tokens != model.pad_id).sum()
+        loss = ((1.0 / t)[:, None] * nll).sum() / (tokens != model.pad_id).sum()
     else:
-        loss = nll.mean()
+        loss = nll.sum() / count
     metrics = {
-        "masked_fraction": masked.sum() / (tokens != model.pad_id).sum(),
-        "nll_masked": nll.detach().sum() / max(nll.numel(), 1),
+        "masked_fraction": count / (tokens != model.pad_id).sum(),
+        "nll_masked": nll.detach().sum() / count.clamp(min=1),
     }
     if length_logits is not None:
         length_ce = ddcap.length_loss(length_logits.float(), tokens, model.pad_id)  # float32 CE under bf16

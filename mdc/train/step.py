@@ -97,18 +97,20 @@ def device_step(
     (e.g. as many caption tokens). An FSDP2 model reduces gradients across ranks, and frees its
     gathered parameters after backward, only on the last micro-batch: the others reuse the
     parameters the first one gathered (one all-gather per step, not one per micro-batch). Noise
-    draws come from `generator` in micro-batch order."""
+    draws come from `generator`, in micro-batch order, or from a list of one generator per
+    micro-batch (the worker's, pipelines/worker/seeds.py)."""
     if images.shape[0] % micro_batches:
         raise ValueError(f"a batch of {images.shape[0]} does not split into {micro_batches} micro-batches")
     fsdp = isinstance(model, FSDPModule)
     optimizer.zero_grad(set_to_none=True)
     totals: dict = {}
+    generators = generator if isinstance(generator, (list, tuple)) else [generator] * micro_batches
     for i, (imgs, toks) in enumerate(zip(images.chunk(micro_batches), tokens.chunk(micro_batches))):
         if fsdp:
             last = i == micro_batches - 1
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
-        loss, metrics = compute_loss(model, imgs, toks, objective, generator)
+        loss, metrics = compute_loss(model, imgs, toks, objective, generators[i])
         (loss / micro_batches).backward()
         for key, value in {"loss": loss.detach(), **metrics}.items():
             totals[key] = totals.get(key, 0.0) + value / micro_batches

@@ -9,6 +9,7 @@ import typer
 from pipelines.cli import runs
 from pipelines.cli.data import data_app
 from pipelines.cli.evaluate import eval_app
+from pipelines.cli.export import export_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 app.add_typer(data_app, name="data")
@@ -21,3 +22,4 @@ app.command(context_settings=EXTRA_ARGS)(runs.compare)
 app.command(context_settings=EXTRA_ARGS)(runs.scaling)
 app.command()(runs.study)
 app.command(context_settings=EXTRA_ARGS)(runs.submit)
+app.command("export")(export_command)

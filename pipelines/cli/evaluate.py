@@ -5,6 +5,10 @@ Every command writes a JSON result (--out) and logs its metrics, the JSON and an
 MLflow (pipelines/tracking.py): into the training run with --run-id, else into a new run of the
 experiment `mdc-eval`. Probe features of large datasets (at least --ray-threshold images) come from
 Ray Data batch inference (pipelines/evaluate.py).
+
+A checkpoint may also be a registered version, `models:/NAME/VERSION` or `models:/NAME@ALIAS`
+(its captioner); `probe` and `compositionality` take `--encoder timm:NAME|local-dir:DIR` to measure
+any timm encoder on the same features, splits and C-selection.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
+from mdc import export
 from mdc.data import shards
 from mdc.evaluation import captioning, compositionality, infilling, probe, readers, zeroshot
 from mdc.sampling import Decoding
@@ -29,7 +34,12 @@ eval_app = typer.Typer(
     no_args_is_help=True, help="Evaluate a checkpoint: probe, zeroshot, compositionality, captions, infill."
 )
 
-CHECKPOINT = typer.Option(..., help="exported checkpoint directory (model.safetensors + config.yaml), local or s3://")
+CHECKPOINT_HELP = "exported checkpoint directory (model.safetensors + config.yaml), local or s3://, or models:/NAME/VERSION | models:/NAME@ALIAS"
+CHECKPOINT = typer.Option(..., help=CHECKPOINT_HELP)
+ENCODER = typer.Option(
+    None,
+    help="probe another encoder instead: timm:NAME (random init, nothing downloaded) or local-dir:DIR (a timm folder)",
+)
 ENDPOINT = typer.Option(None, help="S3 endpoint for s3:// checkpoints and data")
 MLFLOW_URI = typer.Option("sqlite:///mlflow.db", help="MLflow tracking URI ('' to skip logging)")
 RUN_ID = typer.Option(None, help="log into this MLflow run (e.g. the training run) instead of a new one")
@@ -65,9 +75,14 @@ def user_errors():
     return console_user_errors(FileNotFoundError, ValueError, RuntimeError)
 
 
-def load(checkpoint: str, endpoint_url: str | None, device: str):
-    """(model, RunConfig, local checkpoint directory)."""
-    directory = ckpt.fetch_checkpoint(checkpoint, endpoint_url)
+def load(checkpoint: str, endpoint_url: str | None, device: str, mlflow_uri: str):
+    """(model, RunConfig, local checkpoint directory); a registered version's is its captioner."""
+    if checkpoint.startswith("models:/"):
+        from pipelines import model_registry  # MLflow: seconds to import, only for registered versions
+
+        directory = model_registry.resolve(checkpoint, mlflow_uri) / export.CAPTIONER
+    else:
+        directory = ckpt.fetch_checkpoint(checkpoint, endpoint_url)
     model, cfg = ckpt.load_pretrained(directory, device)
     return model, cfg, directory
 
@@ -81,12 +96,15 @@ def run_name(kind: str, target: str, checkpoint: str) -> str:
 
 @eval_app.command("probe")
 def probe_command(
-    checkpoint: str = CHECKPOINT,
+    checkpoint: Optional[str] = typer.Option(None, help=CHECKPOINT_HELP + " (or --encoder)"),
+    encoder: Optional[str] = ENCODER,
     dataset: str = typer.Option(..., help=f"one of {', '.join(readers.dataset_kinds())}"),
     root: Optional[str] = typer.Option(None, help="dataset root (fashion-mnist: Debian's by default)"),
     endpoint_url: Optional[str] = ENDPOINT,
     cache_dir: Optional[Path] = typer.Option(None, help="cache features here, by checkpoint and split"),
-    baseline: bool = typer.Option(True, help="also probe the same architecture at random init"),
+    baseline: bool = typer.Option(
+        True, help="also probe the same architecture at random init (not for timm:NAME, itself at random init)"
+    ),
     batch_size: int = typer.Option(128, min=1),
     ray_threshold: int = typer.Option(20_000, help="use Ray batch inference from this many images"),
     num_actors: int = typer.Option(1, min=1, help="Ray inference actors"),
@@ -97,15 +115,12 @@ def probe_command(
     run_id: Optional[str] = RUN_ID,
 ):
     """Linear probe: frozen pooled features, logistic regression with C chosen on held-out train."""
-    from pipelines.evaluate import Extractor, checkpoint_model, random_init_model  # Ray: seconds to import
-
     with user_errors():
         if root is None and dataset != "fashion-mnist":
             raise ValueError(f"--root is required for {dataset}")
-        model, cfg, directory = load(checkpoint, endpoint_url, device)
+        if (checkpoint is None) == (encoder is None):
+            raise ValueError("give --checkpoint or --encoder (one of them)")
         root = root or readers.FASHION_MNIST_ROOT
-        train, test = (readers.read_split(dataset, root, s, endpoint_url) for s in ("train", "test"))
-        console.print(f"{dataset}: {len(train)} train / {len(test)} test images, {len(train.class_names)} classes")
         common = dict(
             root=root,
             batch_size=batch_size,
@@ -115,28 +130,68 @@ def probe_command(
             cache_dir=cache_dir,
             num_gpus=1 if device.startswith("cuda") else 0,
         )
-        key = probe.file_fingerprint(directory / ckpt.WEIGHTS) if cache_dir else ""
-        trained = Extractor(model, functools.partial(checkpoint_model, str(directory), device), key, **common)
+        if encoder:
+            trained, untrained = encoder_extractors(encoder, device, baseline, common)
+        else:
+            trained, untrained = checkpoint_extractors(checkpoint, endpoint_url, device, mlflow_uri, baseline, common)
+        train, test = (readers.read_split(dataset, root, s, endpoint_url) for s in ("train", "test"))
+        console.print(f"{dataset}: {len(train)} train / {len(test)} test images, {len(train.class_names)} classes")
         result = probe.linear_probe(train, test, trained)
         metrics = {f"eval/probe/{dataset}/accuracy": result["accuracy"]}
-        if baseline:
-            fresh = probe.random_init(cfg).to(device)
-            config_hash = probe.file_fingerprint(directory / ckpt.CONFIG) if cache_dir else ""
-            untrained = Extractor(
-                fresh, functools.partial(random_init_model, cfg, device), f"random-init-{config_hash}", **common
-            )
+        if untrained is not None:
             result["random_init_accuracy"] = probe.linear_probe(train, test, untrained)["accuracy"]
             metrics[f"eval/probe/{dataset}/random_init_accuracy"] = result["random_init_accuracy"]
-        result["checkpoint"] = checkpoint
+        source = checkpoint or encoder
+        result["checkpoint" if checkpoint else "encoder"] = source
     report(
         result,
         metrics,
         out,
         mlflow_uri,
         run_id,
-        run_name("probe", dataset, checkpoint),
-        {"checkpoint": checkpoint, "dataset": dataset, "root": root},
+        run_name("probe", dataset, source),
+        {"checkpoint" if checkpoint else "encoder": source, "dataset": dataset, "root": root},
     )
+
+
+def checkpoint_extractors(checkpoint: str, endpoint_url, device: str, mlflow_uri: str, baseline: bool, common: dict):
+    """(features of the checkpoint's encoder, of the same architecture at random init or None)."""
+    from pipelines.evaluate import Extractor, checkpoint_model, random_init_model  # Ray: seconds to import
+
+    model, cfg, directory = load(checkpoint, endpoint_url, device, mlflow_uri)
+    cached = common["cache_dir"] is not None
+    key = probe.file_fingerprint(directory / ckpt.WEIGHTS) if cached else ""
+    trained = Extractor(model, functools.partial(checkpoint_model, str(directory), device), key, **common)
+    if not baseline:
+        return trained, None
+    fresh = probe.random_init(cfg).to(device)
+    config_hash = probe.file_fingerprint(directory / ckpt.CONFIG) if cached else ""
+    untrained = Extractor(
+        fresh, functools.partial(random_init_model, cfg, device), f"random-init-{config_hash}", **common
+    )
+    return trained, untrained
+
+
+def encoder_extractors(spec: str, device: str, baseline: bool, common: dict):
+    """(features of a timm encoder, of its architecture at random init or None): a timm:NAME is
+    itself at random init, so it has no baseline of its own."""
+    from pipelines.evaluate import Extractor  # Ray: seconds to import
+
+    model = export.load_encoder(spec, device)
+    if spec.startswith("local-dir:"):
+        folder = Path(spec[len("local-dir:") :]).expanduser()
+        key = f"timm-{probe.file_fingerprint(folder / export.TIMM_WEIGHTS)}" if common["cache_dir"] else ""
+    else:
+        key = f"timm-{spec[len('timm:') :]}-random-init"
+    trained = Extractor(model, functools.partial(export.load_encoder, spec, device), key, **common)
+    if not baseline or spec.startswith("timm:"):
+        return trained, None
+    fresh = export.random_init_encoder(spec, device)
+    config_hash = probe.file_fingerprint(folder / export.TIMM_CONFIG) if common["cache_dir"] else ""
+    untrained = Extractor(
+        fresh, functools.partial(export.random_init_encoder, spec, device), f"timm-random-init-{config_hash}", **common
+    )
+    return trained, untrained
 
 
 @eval_app.command("zeroshot")
@@ -160,7 +215,7 @@ def zeroshot_command(
 ):
     """Zero-shot classification: the class whose templated caption the model scores highest."""
     with user_errors():
-        model, cfg, _ = load(checkpoint, endpoint_url, device)
+        model, cfg, _ = load(checkpoint, endpoint_url, device, mlflow_uri)
         test = readers.read_split(dataset, root or readers.FASHION_MNIST_ROOT, "test", endpoint_url)
         name, score = compositionality.get_scorer(scorer, cfg.objective.name)
         templates = tuple(template) if template else zeroshot.templates_for(dataset)
@@ -184,7 +239,12 @@ def zeroshot_command(
 
 @eval_app.command("compositionality")
 def compositionality_command(
-    checkpoint: str = CHECKPOINT,
+    checkpoint: Optional[str] = typer.Option(
+        None, help=CHECKPOINT_HELP + "; with --encoder, the text side (default: the export's captioner/)"
+    ),
+    encoder: Optional[str] = typer.Option(
+        None, help="score with this image side instead: local-dir:DIR or timm:NAME of the decoder's width"
+    ),
     benchmark: str = typer.Option(..., help="aro | sugarcrepe"),
     root: Path = typer.Option(..., help="folder with the benchmark's JSON files"),
     image_dir: Optional[Path] = typer.Option(None, help="image folder (default ROOT/images)"),
@@ -204,7 +264,7 @@ def compositionality_command(
     """ARO / SugarCrepe: share of images whose true caption scores above every manipulated one, and
     beside it the blind accuracy (each caption pair scored against another item's image)."""
     with user_errors():
-        model, cfg, _ = load(checkpoint, endpoint_url, device)
+        model, cfg = scoring_model(checkpoint, encoder, endpoint_url, device, mlflow_uri)
         items = compositionality.read_benchmark(
             benchmark, root, image_dir, subsets.split(",") if subsets else None, seed=seed
         )
@@ -214,6 +274,7 @@ def compositionality_command(
             "scorer": name,
             "samples": samples,
             "checkpoint": checkpoint,
+            "encoder": encoder,
             **compositionality.evaluate_compositionality(
                 model, items, score, samples, batch_size, seed, limit, normalize
             ),
@@ -230,9 +291,35 @@ def compositionality_command(
         out,
         mlflow_uri,
         run_id,
-        run_name(benchmark, name, checkpoint),
-        {"checkpoint": checkpoint, "benchmark": benchmark, "scorer": name, "samples": samples, "normalize": normalize},
+        run_name(benchmark, name, encoder or checkpoint),
+        {
+            "checkpoint": checkpoint,
+            "encoder": encoder,
+            "benchmark": benchmark,
+            "scorer": name,
+            "samples": samples,
+            "normalize": normalize,
+        },
     )
+
+
+def scoring_model(checkpoint: str | None, encoder: str | None, endpoint_url, device: str, mlflow_uri: str):
+    """(model, RunConfig) that scores captions: a checkpoint's captioner, its image side replaced by
+    `encoder` when one is given (the text side: `checkpoint`, else the captioner an export holds)."""
+    if encoder and checkpoint is None:
+        folder = Path(encoder.removeprefix("local-dir:")).expanduser()
+        if not encoder.startswith("local-dir:") or not (folder / export.CAPTIONER).is_dir():
+            raise ValueError(
+                f"--encoder {encoder} has no text side: compositionality scores captions with a decoder; "
+                "give --checkpoint, or a folder `mdc export` wrote with its captioner/"
+            )
+        checkpoint = str(folder / export.CAPTIONER)
+    if checkpoint is None:
+        raise ValueError("give --checkpoint or --encoder")
+    model, cfg, _ = load(checkpoint, endpoint_url, device, mlflow_uri)
+    if encoder:
+        model = export.swap_encoder(model, export.load_encoder(encoder, device), encoder)
+    return model.eval(), cfg
 
 
 def print_compositionality(result: dict) -> None:
@@ -284,7 +371,7 @@ def captions_command(
 ):
     """Write captions and score them: BLEU-4, CIDEr-D, captions per second, and an HTML page."""
     with user_errors():
-        model, cfg, _ = load(checkpoint, endpoint_url, device)
+        model, cfg, _ = load(checkpoint, endpoint_url, device, mlflow_uri)
         sizes = [n if n in captioning.LENGTH_CHOICES else int(n) for n in lengths.split(",")]
         decoding = Decoding(sampler, steps, schedule, threshold, guidance_scale)
         images = captioning.group_by_image(shards.read_shards(data, endpoint_url), limit)
@@ -355,7 +442,7 @@ def infill_command(
 ):
     """Caption infilling (DDCap): mask a span of a reference caption, fill it, score BLEU-4 / CIDEr-D."""
     with user_errors():
-        model, cfg, _ = load(checkpoint, endpoint_url, device)
+        model, cfg, _ = load(checkpoint, endpoint_url, device, mlflow_uri)
         images = captioning.group_by_image(shards.read_shards(data, endpoint_url), limit)
         if not images:
             raise ValueError(f"no samples in {data}")

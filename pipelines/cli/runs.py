@@ -290,17 +290,7 @@ def submit(
         submission.console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
 
-    from ray.job_submission import JobSubmissionClient  # Ray: seconds to import, so after the checks
-
-    try:
-        client = JobSubmissionClient(address)
-        statuses = {job.submission_id: str(job.status.value) for job in client.list_jobs() if job.submission_id}
-    except ConnectionError as err:
-        submission.console.print(
-            f"[red]error:[/red] no Ray job server at {address or 'RAY_ADDRESS / local head'}: {err}"
-        )
-        raise typer.Exit(2) from None
-
+    client, statuses = submission.connect(address)
     plan = submission.plan_submission(submission_id, statuses)
     if plan.action == "done":
         submission.console.print(f"{plan.submission_id} already SUCCEEDED: nothing to do")

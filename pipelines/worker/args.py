@@ -15,7 +15,7 @@ class IngestActors:
     """The run's two ingest actors, which only the data cursor talks to."""
 
     bad_records: Any  # ingest.BadRecordLedgerActor: bad-record counts per shard
-    passed_over: Any  # ingest.PassedOverShardsActor: the shards the read tasks pass over
+    epoch_plan: Any  # ingest.EpochPlanActor: the epoch the read tasks read, and what they pass over
 
 
 @dataclass(frozen=True)

@@ -19,15 +19,15 @@ class RaySession:
 
     def train_batches(self, epoch: int):
         """One optimiser step's micro-batches at a time, on the host, pinned for a GPU: the trainer
-        moves the model's inputs without waiting (non_blocking) and tallies the tags where they are."""
+        moves the model's inputs without waiting (non_blocking) and tallies the tags where they are.
+        The rows come in the dataset's one order (shuffled upstream, pipelines/ingest.py), this
+        rank's micro-batch blocks in turn: no local shuffle, which would make them the rank's."""
         tc = self.cfg.train
         return self.train.iter_torch_batches(
             batch_size=tc.batch_size * tc.accumulation_steps(self.world_size),
             drop_last=True,
             device="cpu",
             pin_memory=tc.use_gpu,
-            local_shuffle_buffer_size=self.cfg.data.shuffle_buffer or None,
-            local_shuffle_seed=tc.seed + epoch,
         )
 
     def val_batches(self) -> list[dict]:

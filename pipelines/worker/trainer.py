@@ -20,7 +20,7 @@ from pipelines.worker.callbacks import RowRecorder
 from pipelines.worker.checkpointer import Checkpointer
 from pipelines.worker.cursor import DataCursor
 from pipelines.worker.metrics import MetricsLogger, rank0_sinks
-from pipelines.worker.seeds import augment_seed, step_generator
+from pipelines.worker.seeds import augment_seed, noise_generator, rank_chunks
 from pipelines.worker.session import RaySession
 from pipelines.worker.validator import Validator
 
@@ -44,8 +44,7 @@ class Trainer:
         cfg, tc = args.cfg, args.cfg.train
         self.cfg, self.session, self.rank, self.device = cfg, session, session.rank, session.device
         self.accumulation = tc.accumulation_steps(session.world_size)  # the global batch, whatever the group's size
-        torch.manual_seed(tc.seed)  # identical initial weights on every rank before sharding
-        self.model = build_model(cfg, CaptionTokenizer).to(self.device)
+        self.model = build_model(cfg, CaptionTokenizer, seed=tc.seed).to(self.device)  # the same on every rank
         prepare_model(
             self.model,
             self.device,
@@ -111,8 +110,9 @@ class Trainer:
         step = self.step = self.step + 1
         for callback in self.callbacks:
             callback.step_start(step, self.rank)
-        images, tokens = self._inputs(batch, step)
-        noise = step_generator(self.cfg.train.seed, self.rank, step, self.device)
+        chunks = rank_chunks(self.rank, self.session.world_size, self.accumulation)
+        images, tokens = self._inputs(batch, step, chunks)
+        noise = [noise_generator(self.cfg.train.seed, step, chunk, self.device) for chunk in chunks]
         metrics = device_step(
             self.model,
             self.optimizer,
@@ -135,9 +135,13 @@ class Trainer:
         if self.metrics.due(step) or self.checkpointer.due(step):
             self._log_and_save(step)
 
-    def _inputs(self, batch: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(self, batch: dict, step: int, chunks: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's images, each micro-batch cropped from its own chunk's seed, and tokens."""
         pixels = batch["image"].to(self.device, non_blocking=True)
-        pixels = augment(pixels, self.cfg.data.augment, augment_seed(self.cfg.train.seed, self.rank, step))
+        seed, kind = self.cfg.train.seed, self.cfg.data.augment
+        if kind != "none":
+            parts = zip(pixels.chunk(len(chunks)), chunks)
+            pixels = torch.cat([augment(p, kind, augment_seed(seed, step, c)) for p, c in parts])
         return normalize(pixels), batch["tokens"].to(self.device, non_blocking=True)
 
     def _log_and_save(self, step: int) -> None:

@@ -8,7 +8,7 @@ from mdc import registry
 from mdc.config import ObjectiveConfig
 from mdc.data.images import normalize
 from mdc.registry import compute_loss
-from pipelines.worker.seeds import step_generator
+from pipelines.worker.seeds import noise_generator
 
 
 def validation_objective(objective: ObjectiveConfig) -> ObjectiveConfig:
@@ -36,7 +36,7 @@ class Validator:
         model.eval()
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(self.batches):
-            gen = step_generator(self.seed, 0, -1 - i, self.device)
+            gen = noise_generator(self.seed, -1 - i, 0, self.device)
             images = normalize(batch["image"].to(self.device, non_blocking=True))
             loss, _ = compute_loss(
                 model, images, batch["tokens"].to(self.device, non_blocking=True), self.objective, gen
