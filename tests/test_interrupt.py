@@ -33,11 +33,16 @@ def test_ctrl_c_in_run_all_returns_at_once_cancels_what_has_not_started_and_kill
         started.append(key)
         release.wait(60)  # a run that would train for a minute more
 
+    # Python's own handler, as the `mdc` process has it: a Ray an earlier test started installs its own
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # a real SIGINT, as Ctrl-C sends
     tic = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        cluster.run_all({key: lambda key=key: blocking(key) for key in "abc"}, max_concurrent=2)
-    release.set()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cluster.run_all({key: lambda key=key: blocking(key) for key in "abc"}, max_concurrent=2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        release.set()
     assert time.monotonic() - tic < 5 and killed == [True]
     time.sleep(0.2)
     assert sorted(started) == ["a", "b"]  # c was cancelled, not started when a slot freed
