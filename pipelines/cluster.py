@@ -2,8 +2,9 @@
 helpers live.
 
 - `fitting_runs`: as many runs at once as the cluster's free CPUs and GPUs hold, each run needing
-  its training workers (num_workers × cpus_per_worker, and a GPU each with use_gpu) plus its ingest
-  CPUs (data.ingest_cpus, else one reader's CPU). A 2-core machine with the default config fits 1.
+  its training workers (num_workers × cpus_per_worker, and a GPU each with use_gpu), its ingest
+  CPUs (data.ingest_cpus, else one reader's CPU) and its online evaluation's bundle (eval.cpus,
+  eval.gpus). A 2-core machine with the default config fits 1.
 - `run_all`: calls the runs' functions, at most N at once, each in its own driver thread; every
   run is still its own Ray Train job (its own `TorchTrainer.fit`, its own MLflow child run) and
   Ray places each worker group where it fits. Results come back in the order given, whatever the
@@ -11,7 +12,7 @@ helpers live.
   MLflow runs end KILLED, and the process exits without waiting for the running ones, whose Ray
   Train jobs end with this driver; the same command resumes them from their checkpoints.
 - `share_ingest`: a run's ingest CPUs when N runs share the cluster (what its share leaves beside
-  its workers), so that N runs never ask for more than the cluster has.
+  its workers and its evaluation bundle), so that N runs never ask for more than the cluster has.
 - `on_driver_node`: the scheduling strategy that keeps a driver-side actor (progress channel,
   bad-record ledger, passed-over shards) on the driver's node: a lost worker node must not take
   them along, since the run they serve goes on.
@@ -29,6 +30,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mdc.config import ConfigError, RunConfig, derive
+from pipelines import online_eval
 
 READER_CPUS = 1.0  # what a run's ingest needs at least when data.ingest_cpus is not set: one reader
 EPS = 1e-9
@@ -42,11 +44,15 @@ def on_driver_node() -> NodeAffinitySchedulingStrategy:
 
 
 def run_resources(cfg: RunConfig) -> dict[str, float]:
-    """What one run holds while it trains: CPUs for its workers and its ingest, GPUs for its workers."""
-    train = cfg.train
+    """What one run holds while it trains: CPUs for its workers, its ingest and its online
+    evaluation's bundle, GPUs for its workers and that bundle."""
+    train, evaluation = cfg.train, online_eval.bundle(cfg)
     ingest = cfg.data.ingest_cpus if cfg.data.ingest_cpus is not None else READER_CPUS
     workers = train.max_workers  # an elastic run grows to its largest group when it can
-    return {"CPU": workers * train.cpus_per_worker + ingest, "GPU": float(workers * train.use_gpu)}
+    return {
+        "CPU": workers * train.cpus_per_worker + ingest + evaluation.get("CPU", 0.0),
+        "GPU": workers * train.use_gpu + evaluation.get("GPU", 0.0),
+    }
 
 
 def fitting_runs(cfgs: Sequence[RunConfig], available: dict[str, float] | None = None) -> int:
@@ -79,11 +85,13 @@ def share_ingest(cfg: RunConfig, max_concurrent: int, cluster_cpus: float | None
     if max_concurrent <= 1 or cfg.data.ingest_cpus is not None:
         return cfg.data.ingest_cpus
     cpus = ray.cluster_resources().get("CPU", 0.0) if cluster_cpus is None else cluster_cpus
-    left = cpus / max_concurrent - cfg.train.max_workers * cfg.train.cpus_per_worker
+    evaluation = online_eval.bundle(cfg).get("CPU", 0.0)
+    left = cpus / max_concurrent - cfg.train.max_workers * cfg.train.cpus_per_worker - evaluation
     if left < 0.01:
+        beside = f" and {evaluation:g} for online evaluation (eval.cpus)" if evaluation else ""
         raise ConfigError(
             f"--max-concurrent {max_concurrent}: {cpus:g} CPUs shared by {max_concurrent} runs leave no CPU for "
-            f"data ingest beside {cfg.train.max_workers} × {cfg.train.cpus_per_worker:g} CPUs of workers; "
+            f"data ingest beside {cfg.train.max_workers} × {cfg.train.cpus_per_worker:g} CPUs of workers{beside}; "
             "run fewer at once, or set data.ingest_cpus"
         )
     return math.floor(left * 100) / 100

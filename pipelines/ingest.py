@@ -70,7 +70,7 @@ def ingest_resources(
     """Ingest gets what the training workers leave (or `override`, data.ingest_cpus), as one
     reader per whole CPU of it, none asking for more than one CPU: a 2-CPU machine runs one 1-CPU
     reader beside two 0.5-CPU workers and a 64-CPU node runs 56 beside 8 one-CPU workers. CPUs
-    that others hold when the run starts (`held_cpus`, e.g. the 0.05 of a Tune trial's own driver)
+    that others hold when the run starts (`held_cpus`, e.g. another run at once)
     are left to them, and requests are rounded down to 0.01 CPU, so a reader always fits.
     `eval_cpus` are kept for one online evaluation at a time (eval.cpus)."""
     budget = override if override is not None else cluster_cpus - training_cpus - eval_cpus

@@ -5,17 +5,23 @@ The training workers never wait for it. Those steps write a checkpoint with the 
 (`Checkpointer`); once it is complete, rank 0 hands its location to the run's `OnlineEvaluator`
 actor (`OnlineEvaluation`, a worker callback) and trains on. The actor reads the weights into
 Ray's object store at once — so a checkpoint pruned later loses nothing — and starts one Ray task
-per checkpoint with the resources `eval.cpus` / `eval.gpus` ask for; each task logs its figures to
-the run's MLflow run at the checkpoint's step. The driver waits for the last ones after training
-(`eval.timeout_s`) and says what they found.
+per checkpoint in the run's evaluation bundle: the `eval.cpus` / `eval.gpus` that `reserve` sets
+aside before the worker group is placed, so an evaluation never waits for training (nor for another
+run at once) to give them back, and runs on its GPU when it has one. At the last checkpoint rank 0
+waits until the evaluator has acknowledged every hand-over; the driver then waits for the last
+evaluations (`eval.timeout_s`) and says what they found.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import ray
 import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mdc.config import RunConfig
 from mdc.data.tokenizer import CaptionTokenizer
@@ -23,19 +29,62 @@ from mdc.evaluation import compositionality, probe
 from mdc.registry import build_model
 from mdc.train import checkpoint as ckpt
 from pipelines import tracking
+from pipelines.ingest import ask
 from pipelines.worker.callbacks import Callback
 
 PROBE_KEY = "online/probe_accuracy"  # reports.ONLINE_CURVES draws it and the macro average
 COMPOSITIONALITY_PREFIX = "online/compositionality/"
+RESERVE_TIMEOUT_S = 300.0
 
 
-def evaluate_weights(cfg: RunConfig, weights: dict, which: tuple[str, ...], threads: int) -> dict[str, float]:
+def bundle(cfg: RunConfig) -> dict[str, float]:
+    """What one online evaluation holds while it runs (none without online evaluation)."""
+    ev = cfg.eval
+    return {k: v for k, v in (("CPU", ev.cpus), ("GPU", ev.gpus)) if v > 0} if ev.enabled else {}
+
+
+@contextlib.contextmanager
+def reserved(cfg: RunConfig) -> Iterator[PlacementGroup | None]:
+    """The run's evaluation bundle, set aside while the run lasts: made before the worker group
+    asks for its resources, so neither training nor another run at once can take them."""
+    wanted = bundle(cfg)
+    if not wanted:
+        yield None
+        return
+    group = placement_group([wanted], strategy="PACK", name=f"{cfg.name}-online-eval")
+    try:
+        try:
+            ray.get(group.ready(), timeout=RESERVE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            free = ray.available_resources()
+            raise TimeoutError(
+                f"online evaluation: {wanted} (eval.cpus, eval.gpus) were not free on one node within "
+                f"{RESERVE_TIMEOUT_S:g} s ({free.get('CPU', 0):g} CPUs, {free.get('GPU', 0):g} GPUs free in the "
+                "cluster); lower them, or leave room beside the training workers"
+            ) from None
+        yield group
+    finally:
+        remove_placement_group(group)
+
+
+def evaluation_device(gpus: float) -> torch.device:
+    """The GPU Ray gave an evaluation that asked for one (eval.gpus), else the CPU."""
+    if gpus <= 0:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"eval.gpus = {gpus:g}, but the evaluation task sees no CUDA device")
+    return torch.device("cuda")
+
+
+def evaluate_weights(
+    cfg: RunConfig, weights: dict, which: tuple[str, ...], threads: int, device: torch.device | None = None
+) -> dict[str, float]:
     """The online figures of one checkpoint's weights: `online/probe_accuracy` and, per
     compositionality subset, `online/compositionality/BENCHMARK/SUBSET` (plus the macro average)."""
     torch.set_num_threads(max(1, threads))
     model = build_model(cfg, CaptionTokenizer)
     model.load_state_dict(weights)
-    model.eval()
+    model.to(device or torch.device("cpu")).eval()
     ev, out = cfg.eval, {}
     if "probe" in which:
         out[PROBE_KEY] = probe.probe_shapes(model, ev.data_uri, cfg.data.endpoint_url)["accuracy"]
@@ -57,7 +106,7 @@ def evaluate_weights(cfg: RunConfig, weights: dict, which: tuple[str, ...], thre
 @ray.remote(max_retries=1)
 def _evaluate_task(cfg: RunConfig, weights: dict, step: int, which: tuple[str, ...], mlflow_uri: str, run_id: str):
     tic = time.perf_counter()
-    metrics = evaluate_weights(cfg, weights, which, int(cfg.eval.cpus) or 1)
+    metrics = evaluate_weights(cfg, weights, which, int(cfg.eval.cpus) or 1, evaluation_device(cfg.eval.gpus))
     tracking.log_metrics(mlflow_uri, run_id, metrics, step)
     return {"step": step, "seconds": time.perf_counter() - tic, **metrics}
 
@@ -65,18 +114,23 @@ def _evaluate_task(cfg: RunConfig, weights: dict, step: int, which: tuple[str, .
 class OnlineEvaluatorState:
     """The run's pending and finished online evaluations (one Ray actor per run, made by the driver)."""
 
-    def __init__(self, cfg: RunConfig, mlflow_uri: str, run_id: str):
-        self.cfg, self.mlflow_uri, self.run_id = cfg, mlflow_uri, run_id
+    def __init__(self, cfg: RunConfig, mlflow_uri: str, run_id: str, group: PlacementGroup | None = None):
+        self.cfg, self.mlflow_uri, self.run_id, self.group = cfg, mlflow_uri, run_id, group
         self.pending: dict[int, ray.ObjectRef] = {}
 
     def submit(self, step: int, checkpoint_uri: str) -> None:
-        """Read the checkpoint's exported weights now and evaluate them in a task of their own. A
-        step evaluated before (a worker group that retried past it) is not evaluated again."""
+        """Read the checkpoint's exported weights now and evaluate them in a task of their own, in
+        the run's evaluation bundle (`reserve`). A step evaluated before (a worker group that
+        retried past it) is not evaluated again."""
         if step in self.pending:
             return
         weights = ckpt.read_weights(checkpoint_uri, self.cfg.data.endpoint_url)
         ev = self.cfg.eval
-        task = _evaluate_task.options(num_cpus=ev.cpus, num_gpus=ev.gpus)
+        task = _evaluate_task.options(
+            num_cpus=ev.cpus,
+            num_gpus=ev.gpus,
+            scheduling_strategy=self.group and PlacementGroupSchedulingStrategy(self.group, 0),
+        )
         self.pending[step] = task.remote(self.cfg, ray.put(weights), step, ev.due(step), self.mlflow_uri, self.run_id)
 
     def results(self, timeout_s: float) -> list[dict]:
@@ -97,15 +151,22 @@ OnlineEvaluator = ray.remote(num_cpus=0)(OnlineEvaluatorState)
 
 
 class OnlineEvaluation(Callback):
-    """Rank 0 hands each complete checkpoint that is due for evaluation to the run's evaluator,
-    without waiting for an answer."""
+    """Rank 0 hands each complete checkpoint that is due for evaluation to the run's evaluator
+    without waiting; at the last checkpoint it waits until every hand-over is acknowledged, so
+    none is lost with the worker when training ends."""
 
     def __init__(self, cfg: RunConfig, run_dir: str, evaluator):
         self.cfg, self.run_dir, self.evaluator = cfg, run_dir, evaluator
+        self.handed: list = []
 
     def checkpoint(self, step: int, rank: int, at: str) -> None:
-        if rank == 0 and at == "committed" and self.cfg.eval.due(step):
-            self.evaluator.submit.remote(step, ckpt.checkpoint_dir(self.run_dir, step))
+        if rank != 0 or at != "committed":
+            return
+        if self.cfg.eval.due(step):
+            self.handed.append(self.evaluator.submit.remote(step, ckpt.checkpoint_dir(self.run_dir, step)))
+        if step == self.cfg.train.steps and self.handed:
+            ask(self.handed, "the run's OnlineEvaluator (the hand-over of the last checkpoints)")
+            self.handed = []
 
 
 def summary_line(results: list[dict]) -> str:

@@ -119,50 +119,54 @@ def _train(
     driver.note(f"preparing data ({data.train_uri}) and {workers_text(cfg.train)} training workers")
     mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
     run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id)
-    actors, evaluator = _run_actors(cfg, mlflow_uri, run_id)
+    actors = _run_actors()
     train_shards = shards.list_shards(data.train_uri, data.format, data.endpoint_url)
     resources, datasets = _datasets(cfg, actors, train_shards)
-    storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
-    run_dir = storage.join(cfg.storage_uri if storage.is_s3(cfg.storage_uri) else storage_path, cfg.name)
-    args = WorkerArgs(
-        cfg,
-        run_dir,
-        mlflow_uri,
-        run_id,
-        channel,
-        resources,
-        fingerprint(train_shards),
-        len(train_shards),
-        actors,
-        fault,
-        trained_rows_dir,
-        evaluator,
-    )
-    trainer = TorchTrainer(
-        train_loop,
-        train_loop_config={"args": args},
-        scaling_config=scaling_config(cfg.train),
-        run_config=ray.train.RunConfig(
-            name=cfg.name,
-            storage_path=storage_path,
-            storage_filesystem=filesystem,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
-            callbacks=callbacks,
-        ),
-        datasets=datasets,
-        dataset_config=in_order_split(),
-        torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
-    )
-    try:
-        trainer.fit()
-    except Exception as err:
-        tracking.finish_run(mlflow_uri, run_id, "FAILED")
-        stall = next((e for e in getattr(err, "worker_failures", {}).values() if isinstance(e, DataStallError)), None)
-        if stall is not None:
-            raise DataStallError(str(stall.args[0] if stall.args else stall)) from None
-        raise
-    online = _online_results(cfg, evaluator, driver)
-    return _finish(cfg, mlflow_uri, run_id, run_dir, ray.get(actors.bad_records.get.remote()), driver, online)
+    with online_eval.reserved(cfg) as evaluation:  # before the worker group asks for its resources
+        evaluator = _evaluator(cfg, mlflow_uri, run_id, evaluation)
+        storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
+        run_dir = storage.join(cfg.storage_uri if storage.is_s3(cfg.storage_uri) else storage_path, cfg.name)
+        args = WorkerArgs(
+            cfg,
+            run_dir,
+            mlflow_uri,
+            run_id,
+            channel,
+            resources,
+            fingerprint(train_shards),
+            len(train_shards),
+            actors,
+            fault,
+            trained_rows_dir,
+            evaluator,
+        )
+        trainer = TorchTrainer(
+            train_loop,
+            train_loop_config={"args": args},
+            scaling_config=scaling_config(cfg.train),
+            run_config=ray.train.RunConfig(
+                name=cfg.name,
+                storage_path=storage_path,
+                storage_filesystem=filesystem,
+                failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+                callbacks=callbacks,
+            ),
+            datasets=datasets,
+            dataset_config=in_order_split(),
+            torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
+        )
+        try:
+            trainer.fit()
+        except Exception as err:
+            tracking.finish_run(mlflow_uri, run_id, "FAILED")
+            stall = next(
+                (e for e in getattr(err, "worker_failures", {}).values() if isinstance(e, DataStallError)), None
+            )
+            if stall is not None:
+                raise DataStallError(str(stall.args[0] if stall.args else stall)) from None
+            raise
+        online = _online_results(cfg, evaluator, driver)
+        return _finish(cfg, mlflow_uri, run_id, run_dir, ray.get(actors.bad_records.get.remote()), driver, online)
 
 
 def scaling_config(train: TrainConfig) -> ray.train.ScalingConfig:
@@ -184,17 +188,22 @@ def workers_text(train: TrainConfig) -> str:
     return f"{train.min_workers} to {train.max_workers} (elastic)" if train.elastic else str(train.num_workers)
 
 
-def _run_actors(cfg: RunConfig, mlflow_uri: str, run_id: str):
-    """The run's ingest actors and, with online evaluation, its evaluator: on the driver's node,
-    so they stay with the driver when a worker node is lost."""
+def _run_actors() -> IngestActors:
+    """The run's ingest actors: on the driver's node, so they stay with the driver when a worker
+    node is lost."""
     here = on_driver_node()
-    actors = IngestActors(
+    return IngestActors(
         bad_records=BadRecordLedgerActor.options(scheduling_strategy=here).remote(),
         epoch_plan=EpochPlanActor.options(scheduling_strategy=here).remote(),
     )
+
+
+def _evaluator(cfg: RunConfig, mlflow_uri: str, run_id: str, evaluation):
+    """With online evaluation, the run's evaluator (on the driver's node, like the ingest actors),
+    which runs its tasks in the `evaluation` bundle."""
     if not cfg.eval.enabled:
-        return actors, None
-    return actors, OnlineEvaluator.options(scheduling_strategy=here).remote(cfg, mlflow_uri, run_id)
+        return None
+    return OnlineEvaluator.options(scheduling_strategy=on_driver_node()).remote(cfg, mlflow_uri, run_id, evaluation)
 
 
 def _online_results(cfg: RunConfig, evaluator, driver: progress.Reporter) -> list[dict]:

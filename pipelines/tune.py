@@ -6,7 +6,9 @@ loss while the trial trains. When training ends the trial probes its encoder on 
 trials are ranked by that probe. MLflow: one parent run per sweep, one child per trial, and on the
 parent a results table and a plot. Relaunching the same sweep resumes it (`Tuner.restore`).
 Local paths are made absolute in the driver (trials run in Tune's trial folders), and every trial's
-rank 0 reports its progress to one display on the driver's console.
+rank 0 reports its progress to one display on the driver's console. Trial drivers run on the head
+(`TRIAL_DRIVER`): a lost worker node costs a trial a worker-group restart from its checkpoint
+(`train.max_failures`), never the trial.
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ from pipelines.console import console, first_line_of
 from pipelines.runtime import absolute_paths
 from pipelines.search_space import SearchSpace, _copy, to_override_list
 from pipelines.train import run_training, storage_for
+
+# A trial function only drives its trainer (Ray Train places the workers): it runs on the head,
+# asking no CPU (the head of a GPU cluster often has none), where losing a worker node cannot take
+# it, nor the run's actors and evaluator that stay beside it (`cluster.on_driver_node`).
+TRIAL_DRIVER = {"CPU": 0, "node:__internal_head__": 0.01}
+# A trial whose driver fails anyway is run once more, and resumes from its own checkpoints.
+TRIAL_RETRIES = 1
 
 
 @dataclass
@@ -93,9 +102,9 @@ def build_tuner(
 ) -> tune.Tuner:
     base = base_cfg.model_dump()
     sweep = sweep_name(base_cfg, space)
-    trainable = tune.with_resources(  # the trial function only drives its trainer: a sliver of CPU
+    trainable = tune.with_resources(
         tune.with_parameters(run_trial, base=base, parent_run_id=parent_run_id, sweep=sweep, channel=channel),
-        {"CPU": 0.05},
+        TRIAL_DRIVER,
     )
     path, filesystem = storage_for(posixpath.join(base_cfg.storage_uri, "sweeps"), base_cfg.data.endpoint_url)
     experiment = posixpath.join(path, sweep)
@@ -131,8 +140,12 @@ def build_tuner(
             scheduler=scheduler,
         ),
         run_config=tune.RunConfig(
-            name=sweep, storage_path=path, storage_filesystem=filesystem, verbose=1 if verbose else 0
-        ),  # its status tables; our display instead
+            name=sweep,
+            storage_path=path,
+            storage_filesystem=filesystem,
+            failure_config=tune.FailureConfig(max_failures=TRIAL_RETRIES),
+            verbose=1 if verbose else 0,  # its status tables; our display instead
+        ),
     )
 
 

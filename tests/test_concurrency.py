@@ -38,6 +38,21 @@ def test_gpu_runs_fit_by_gpus():
     assert cluster.fitting_runs([gpu] * 30, {"CPU": 1000.0}) == 1  # no GPU free: one at a time, Ray waits
 
 
+def test_a_run_counts_its_online_evaluation_bundle():
+    """eval.cpus / eval.gpus are held by the run's evaluation bundle for as long as it trains."""
+    online = {"eval.probe_every": 10, "eval.data_uri": "held-out", "eval.cpus": 0.5}
+    gpu = config(**{"train.num_workers": 8, "train.use_gpu": True, "train.cpus_per_worker": 4, "data.ingest_cpus": 16})
+    assert cluster.run_resources(derive(gpu, {**online, "eval.gpus": 1})) == {"CPU": 48.5, "GPU": 9.0}
+    assert cluster.fitting_runs([derive(gpu, {**online, "eval.gpus": 1})] * 30, {"CPU": 8 * 96.0, "GPU": 64.0}) == 7
+    assert cluster.run_resources(derive(gpu, {"eval.gpus": 1})) == {"CPU": 48.0, "GPU": 8.0}  # no online evaluation
+    small = config(**{"train.num_workers": 1, "train.cpus_per_worker": 0.5, **online})
+    assert cluster.share_ingest(small, 2, cluster_cpus=4.0) == 1.0  # 2 a run, less 0.5 of worker and 0.5 of evaluation
+    with pytest.raises(
+        ConfigError, match=r"beside 1 × 0.5 CPUs of workers and 0.5 for online evaluation \(eval.cpus\)"
+    ):
+        cluster.share_ingest(small, 2, cluster_cpus=2.0)
+
+
 def test_requested_concurrency_is_bounded_by_the_runs_and_must_be_positive():
     runs = [config()] * 3
     assert cluster.resolve_max_concurrent(2, runs) == 2

@@ -266,3 +266,65 @@ def test_a_study_with_max_concurrent_2_trains_two_at_a_time(multinode, tmp_path,
         return {k: v for k, v in result["metrics"].items() if "per_s" not in k}
 
     assert figures(again) == figures(together)
+
+
+SWEEP = """\
+name: lost
+search: grid
+metric: loss
+mode: min
+params:
+  objective.name:
+    grid: [mdc, cmlm]
+scheduler: {type: none}
+"""
+
+
+@pytest.mark.timeout(900)
+def test_a_sweep_loses_the_node_under_a_trial_and_every_trial_finishes(multinode, shapes_dir, tmp_path):
+    """Two trials at once, their drivers on the head (which has no CPU). Once a trial's checkpoint 3
+    is complete, the node under a training worker is removed without warning and a replacement
+    added: the worker group resumes from its checkpoint and both trials finish all 12 steps."""
+    from ray.util.state import list_actors
+
+    from pipelines.search_space import load_space
+    from pipelines.tune import run_sweep
+
+    base = load_config(
+        None,
+        [
+            *run_overrides(tmp_path, "sweep", shapes_dir / "train"),
+            "train.batch_size=8",
+            "train.num_workers=1",
+            "train.cpus_per_worker=0.5",
+            "train.steps=12",
+            "train.checkpoint_every=3",
+            "train.log_every=3",
+            "optim.warmup_steps=1",
+        ],
+    )
+    (tmp_path / "space.yaml").write_text(SWEEP)
+    sweep = in_background(run_sweep, load_space(tmp_path / "space.yaml", base), base, max_concurrent=2)
+    checkpoints = tmp_path / "ckpt"
+    wait_until(
+        lambda: any(checkpoints.glob("*/checkpoint_00000003/complete.json")), sweep, 480, "a trial's checkpoint 3"
+    )
+
+    alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    drivers = {a.node_id for a in alive if "ImplicitFunc" in a.class_name}
+    assert drivers == {multinode.head_node.node_id}, [(a.class_name, a.node_id) for a in alive]
+    lost = next(a.node_id for a in alive if a.class_name == "RayTrainWorker")
+    multinode.remove_node(next(n for n in multinode.worker_nodes if n.node_id == lost), allow_graceful=False)
+    assert not sweep.done()  # the node went mid-sweep
+    add_node(multinode, **WORKER_NODE)
+    summary = sweep.result(timeout=600)
+
+    assert summary.failures == [] and len(summary.rows) == 2, summary.rows
+    client = MlflowClient(base.mlflow_uri)
+    children = client.search_runs(
+        [client.get_experiment_by_name("mdc").experiment_id], f"tags.`mlflow.parentRunId` = '{summary.parent_run_id}'"
+    )
+    assert sorted(c.info.status for c in children) == ["FINISHED", "FINISHED"]
+    assert all(max(m.step for m in client.get_metric_history(c.info.run_id, "loss")) == 12 for c in children)
+    resumed = [tracking.metric_history(base.mlflow_uri, c.info.run_id, ["resumed_from_step"]) for c in children]
+    assert any(r.get("resumed_from_step") for r in resumed), resumed  # a worker group lost its node and resumed

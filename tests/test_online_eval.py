@@ -2,11 +2,14 @@
 evaluation reads the checkpoint's own weights, that rank 0 hands checkpoints over without waiting,
 and a run that logs the probe and the compositionality scores against step in MLflow."""
 
+import threading
+
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from ray.util import placement_group_table
 
-from mdc.config import ConfigError, load_config
+from mdc.config import ConfigError, derive, load_config
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.evaluation import compositionality, probe
 from mdc.registry import build_model
@@ -39,17 +42,44 @@ class Recorder:
 
     def remote(self, *args):
         self.calls.append(args)
+        return f"ref{args[0]}"
 
 
-def test_rank0_hands_over_each_due_checkpoint_once_it_is_complete():
+def test_rank0_hands_over_each_due_checkpoint_once_it_is_complete_and_waits_for_the_acks_at_the_last(monkeypatch):
+    acknowledged = []
+    monkeypatch.setattr(online_eval, "ask", lambda refs, what: acknowledged.append(list(refs)))
     evaluator = Recorder()
     callback = online_eval.OnlineEvaluation(config("eval.probe_every=20", "eval.data_uri=d"), "/runs/r", evaluator)
     for step in (20, 40):
         for rank in (0, 1):
             for at in ("shard_written", "committed"):
                 callback.checkpoint(step, rank, at)
+    assert acknowledged == []  # training never waits for the evaluator
+    callback.checkpoint(50, 1, "committed")
     callback.checkpoint(50, 0, "committed")  # the last checkpoint, not an online step
     assert evaluator.calls == [(20, "/runs/r/checkpoint_00000020"), (40, "/runs/r/checkpoint_00000040")]
+    assert acknowledged == [["ref20", "ref40"]]
+
+
+def test_an_evaluation_runs_where_its_bundle_says(monkeypatch):
+    """eval.gpus > 0: the model moves to the GPU Ray gave the task (here the meta device stands in)."""
+    assert online_eval.evaluation_device(0.0) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="eval.gpus = 1, but the evaluation task sees no CUDA device"):
+        online_eval.evaluation_device(1.0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert online_eval.evaluation_device(0.5) == torch.device("cuda")
+    cfg = config("eval.probe_every=20", "eval.data_uri=d")
+    seen = []
+    monkeypatch.setattr(
+        probe, "probe_shapes", lambda m, *a, **k: seen.append(next(m.parameters()).device) or {"accuracy": 1}
+    )
+    weights = build_model(cfg, CaptionTokenizer).state_dict()
+    assert online_eval.evaluate_weights(cfg, weights, ("probe",), 1, torch.device("meta")) == {online_eval.PROBE_KEY: 1}
+    assert seen == [torch.device("meta")]
+    assert online_eval.bundle(derive(cfg, {"eval.cpus": 0.25, "eval.gpus": 1})) == {"CPU": 0.25, "GPU": 1}
+    assert online_eval.bundle(derive(cfg, {"eval.cpus": 0.0})) == {}  # asks for nothing: nothing to set aside
+    assert online_eval.bundle(config("eval.cpus=2")) == {}  # no online evaluation
 
 
 def test_an_evaluation_scores_the_checkpoints_own_weights(shapes_dir, monkeypatch):
@@ -91,9 +121,19 @@ def test_the_summary_line_names_each_step_and_its_error():
     )
 
 
+def evaluation_bundles(stop, seen: list) -> None:
+    """Every online evaluation bundle Ray holds, polled until `stop`."""
+    while not stop.wait(0.5):
+        for group in placement_group_table().values():
+            if group["name"].endswith("-online-eval") and group["state"] == "CREATED":
+                seen.append(group["bundles"])
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(420)
-def test_a_run_logs_the_probe_and_compositionality_against_step(ray_cluster, shapes_dir, tmp_path):
+def test_a_run_logs_the_probe_and_compositionality_against_step_while_it_trains(ray_cluster, shapes_dir, tmp_path):
+    """Two workers (0.5 CPU each) and ingest take every CPU but the evaluation's 0.25, which the run
+    sets aside before its workers are placed: the step-10 evaluation is logged before training ends."""
     from pipelines.train import run_training
 
     cfg = load_config(
@@ -106,12 +146,12 @@ def test_a_run_logs_the_probe_and_compositionality_against_step(ray_cluster, sha
             "data.val_uri=null",
             "data.max_length=16",
             "train.batch_size=8",
-            "train.steps=20",
+            "train.steps=30",
             "train.checkpoint_every=100",
             "train.log_every=10",
             "optim.warmup_steps=5",
             "eval.probe_every=10",
-            "eval.compositionality_every=20",
+            "eval.compositionality_every=30",
             f"eval.data_uri={shapes_dir}",
             "eval.limit=8",
             "eval.samples=2",
@@ -119,23 +159,38 @@ def test_a_run_logs_the_probe_and_compositionality_against_step(ray_cluster, sha
             "eval.timeout_s=240",
         ],
     )
-    summary = run_training(cfg)
+    stop, bundles = threading.Event(), []
+    watcher = threading.Thread(target=evaluation_bundles, args=(stop, bundles), daemon=True)
+    watcher.start()
+    try:
+        summary = run_training(cfg)
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+    assert bundles and all(b == {0: {"CPU": 0.25}} for b in bundles), bundles[:3]
     client = MlflowClient(cfg.mlflow_uri)
-    history = {
-        key: sorted(m.step for m in client.get_metric_history(summary.mlflow_run_id, key))
-        for key in (online_eval.PROBE_KEY, online_eval.COMPOSITIONALITY_PREFIX + "macro")
+    metrics = {
+        key: sorted((m.step, m.timestamp) for m in client.get_metric_history(summary.mlflow_run_id, key))
+        for key in ("loss", online_eval.PROBE_KEY, online_eval.COMPOSITIONALITY_PREFIX + "macro")
     }
-    assert history == {online_eval.PROBE_KEY: [10, 20], online_eval.COMPOSITIONALITY_PREFIX + "macro": [20]}
-    assert [r["step"] for r in summary.online] == [10, 20] and not any("error" in r for r in summary.online)
-    # each evaluation scored its own step's weights: step 20's are the exported final ones
+    steps = {key: [step for step, _ in points] for key, points in metrics.items()}
+    assert steps[online_eval.PROBE_KEY] == [10, 20, 30] and steps[online_eval.COMPOSITIONALITY_PREFIX + "macro"] == [30]
+    assert steps["loss"][-1] == 30
+    probe_10, last_loss = metrics[online_eval.PROBE_KEY][0][1], metrics["loss"][-1][1]
+    print(f"the step-10 probe was logged {(last_loss - probe_10) / 1000:.1f} s before training ended")
+    assert probe_10 < last_loss
+    assert [r["step"] for r in summary.online] == [10, 20, 30] and not any("error" in r for r in summary.online)
+    # each evaluation scored its own step's weights: step 30's are the exported final ones
     run_dir = str(tmp_path / "ckpt" / "online")
-    at_10, at_20 = (ckpt.read_weights(ckpt.checkpoint_dir(run_dir, s)) for s in (10, 20))
-    assert any(not torch.equal(at_10[k], at_20[k]) for k in at_20)
+    at_10, at_30 = (ckpt.read_weights(ckpt.checkpoint_dir(run_dir, s)) for s in (10, 30))
+    assert any(not torch.equal(at_10[k], at_30[k]) for k in at_30)
     final, _ = ckpt.load_pretrained(summary.checkpoint_uri)
-    assert summary.online[1][online_eval.PROBE_KEY] == probe.probe_shapes(final, str(shapes_dir))["accuracy"]
+    assert summary.online[2][online_eval.PROBE_KEY] == probe.probe_shapes(final, str(shapes_dir))["accuracy"]
     step_10 = build_model(cfg, CaptionTokenizer)
     step_10.load_state_dict(at_10)
     assert summary.online[0][online_eval.PROBE_KEY] == probe.probe_shapes(step_10.eval(), str(shapes_dir))["accuracy"]
-    print("online probe at steps 10, 20:", [r[online_eval.PROBE_KEY] for r in summary.online])
+    print("online probe at steps 10, 20, 30:", [r[online_eval.PROBE_KEY] for r in summary.online])
     artifacts = [a.path for a in client.list_artifacts(summary.mlflow_run_id, "report")]
     assert "report/online.png" in artifacts
+    left = [g["state"] for g in placement_group_table().values() if g["name"] == "online-online-eval"]
+    assert left and "CREATED" not in left, left  # the run gave its bundle back when it ended
