@@ -140,6 +140,9 @@ class TrainConfig(_Section):
         {}, description="custom Ray resources each worker needs beside CPU/GPU, e.g. {spot_gpu_slot: 1}"
     )
     max_failures: int = Field(2, ge=-1, description="worker-group restarts from the last checkpoint")
+    max_preemption_failures: int = Field(
+        -1, ge=-1, description="restarts after a node's reclaim notice (spot), apart from max_failures; -1: no limit"
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="how Ray places the workers on nodes: PACK fills few nodes, SPREAD one worker a node"
     )
@@ -224,8 +227,12 @@ class EvalConfig(_Section):
     )
     samples: int = Field(8, ge=1, description="Monte Carlo draws per caption (compositionality)")
     limit: int | None = Field(200, ge=1, description="compositionality items per subset")
-    cpus: float = Field(0.5, ge=0.0, description="CPUs each evaluation task asks Ray for (kept free of ingest)")
-    gpus: float = Field(0.0, ge=0.0, description="GPUs each evaluation task asks Ray for")
+    cpus: float = Field(
+        0.5,
+        ge=0.0,
+        description="CPUs set aside for the run's evaluations (a bundle made before its workers are placed)",
+    )
+    gpus: float = Field(0.0, ge=0.0, description="GPUs set aside the same way; the evaluations then run on that GPU")
     timeout_s: float = Field(1800.0, gt=0.0, description="how long the driver waits for the last evaluations")
 
     def due(self, step: int) -> tuple[str, ...]:

@@ -12,11 +12,13 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import ray
 import ray.data
 import typer
+from ray.util.annotations import RayDeprecationWarning
 
 from mdc.config import RunConfig
 from mdc.data import storage
@@ -328,7 +330,9 @@ def ray_session(log_file: Path, address: str | None = None, verbose: bool = Fals
         yield
         return
     console.print(f"Ray's own output goes to {log_file} (--verbose shows it here)", highlight=False)
-    with ray_output_to(log_file):
+    with ray_output_to(log_file), warnings.catch_warnings():
+        # Ray Train sets an execution option Ray Data deprecated: Ray's business, not the user's
+        warnings.filterwarnings("ignore", r".*exclude_resources", RayDeprecationWarning)
         try:
             connect_ray(address, num_cpus)
             yield

@@ -148,7 +148,10 @@ def _train(
                 name=cfg.name,
                 storage_path=storage_path,
                 storage_filesystem=filesystem,
-                failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+                failure_config=ray.train.FailureConfig(
+                    max_failures=cfg.train.max_failures,
+                    max_preemption_failures=cfg.train.max_preemption_failures,
+                ),
                 callbacks=callbacks,
             ),
             datasets=datasets,

@@ -54,6 +54,7 @@ class LocalSession:
         from mdc.data.tokenizer import CaptionTokenizer
 
         self.rank, self.world_size, self.reports = rank, world_size, []
+        self.notices: list = []  # what preemption_notice returns at each logged step, then None
         tokens = torch.from_numpy(CaptionTokenizer(16).encode(["a red circle", "a small blue square"] * (batch // 2)))
         rng = np.random.default_rng(0)
         images = [torch.from_numpy(rng.integers(0, 255, (batch, 3, 32, 32), dtype=np.uint8)) for _ in range(steps)]
@@ -76,6 +77,9 @@ class LocalSession:
 
     def report(self, metrics):
         self.reports.append(metrics)
+
+    def preemption_notice(self):
+        return self.notices.pop(0) if self.notices else None
 
 
 def local_trainer(tmp_path, steps: int, log_every: int, *overrides: str, same_images: bool = False, session=None):

@@ -1,7 +1,9 @@
-"""Ctrl-C stops runs at once: SIGINT to a real `mdc study --max-concurrent 2` while two runs train
-ends the process within 30 s (not when training ends), the MLflow runs end KILLED, and the same
-command run again resumes the interrupted runs from their checkpoints and finishes the study."""
+"""Ctrl-C stops runs at once: SIGINT to a real `mdc study --max-concurrent 2` (the smoke plan) while
+two runs train ends the process within 30 s (not when training ends), the MLflow runs end KILLED,
+and the same command run again resumes the interrupted runs from their checkpoints and finishes
+the study: its report, plot and MLflow record; a third launch trains and evaluates nothing."""
 
+import json
 import os
 import re
 import signal
@@ -16,6 +18,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from pipelines import cluster, tracking
+from pipelines.study import CLAIM_FIELDS
 
 REPO = Path(__file__).resolve().parent.parent
 MDC = str(Path(sys.executable).parent / "mdc")
@@ -61,10 +64,9 @@ def test_after_ctrl_c_every_open_run_ends_killed_and_a_failure_too(tmp_path, mon
 
 
 def plan_file(tmp_path: Path) -> Path:
+    """The smoke plan (2 arms × 2 seeds, evaluated, two claims), long enough to be interrupted."""
     plan = yaml.safe_load((REPO / "studies" / "smoke.yaml").read_text())
     plan["budget"].update({"train.steps": STEPS, "train.log_every": EVERY, "train.checkpoint_every": EVERY})
-    plan["evaluations"] = {"probe": False, "compositionality": False, "caption_lengths": []}  # training is the point
-    plan["claims"] = [{"name": "loss", "metric": "final_loss", "arm_a": "mdc", "arm_b": "cmlm", "expect": "less"}]
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan))
     return path
@@ -131,16 +133,57 @@ def test_ctrl_c_stops_a_study_at_once_and_the_same_command_resumes_it(tmp_path):
     assert status["study-smoke"] == "KILLED" and "RUNNING" not in status.values(), status
 
     relaunched = time.monotonic()
-    again = study(plan, out)
-    try:
-        output, _ = again.communicate(timeout=400)
-    finally:
-        stop_group(again)
+    output = finish(study(plan, out))
     print(f"relaunch finished the study in {time.monotonic() - relaunched:.0f} s")
-    assert again.returncode == 0, output[-3000:]
     runs = {r.data.tags["mdc.run_name"]: r for r in client.search_runs([experiment])}
     assert all(run.info.status == "FINISHED" for run in runs.values()), {k: r.info.status for k, r in runs.items()}
-    assert (out / "study.json").is_file()
     for name in training:  # resumed: the steps before the checkpoint it resumed from were logged once
         steps = [m.step for m in client.get_metric_history(runs[name].info.run_id, "loss")]
         assert steps.count(EVERY) == 1 and max(steps) == STEPS, (name, sorted(steps))
+    assert_report(out, client, runs)
+
+    output = finish(study(plan, out))  # everything is done: nothing is trained or evaluated again
+    again = {r.data.tags["mdc.run_name"]: r for r in client.search_runs([experiment])}
+    assert {k: (r.info.run_id, r.info.end_time) for k, r in again.items() if k != "study-smoke"} == {
+        k: (r.info.run_id, r.info.end_time) for k, r in runs.items() if k != "study-smoke"
+    }
+    assert not STEP_LINE.search(output), output[-3000:]
+
+
+def finish(proc: subprocess.Popen) -> str:
+    try:
+        output, _ = proc.communicate(timeout=400)
+    finally:
+        stop_group(proc)
+    assert proc.returncode == 0, output[-3000:]
+    return output
+
+
+def assert_report(out: Path, client: MlflowClient, runs: dict) -> None:
+    """study.json's claims with their paired intervals over seeds 0 and 1, results.md, claims.png, and
+    the parent MLflow run with the claims and the same three files; four child runs."""
+    report = json.loads((out / "study.json").read_text())
+    assert [c["name"] for c in report["claims"]] == [
+        "MDC beats CMLM on the linear probe",
+        "MDC matches CMLM on VG-Relation",
+    ]
+    for claim in report["claims"]:
+        assert set(CLAIM_FIELDS) <= set(claim) and claim["seeds"] == [0, 1] and len(claim["values_a"]) == 2
+        assert claim["ci_low"] <= claim["mean_diff"] <= claim["ci_high"]
+        assert claim["verdict"] in ("holds", "reversed", "inconclusive")
+    assert "| MDC beats CMLM on the linear probe | probe_accuracy | mdc | cmlm |" in (out / "results.md").read_text()
+    assert (out / "claims.png").read_bytes()[:4] == b"\x89PNG"
+    parent = runs["study-smoke"]
+    assert "claims/0/mean_diff" in parent.data.metrics
+    assert {a.path for a in client.list_artifacts(parent.info.run_id, "eval")} == {
+        "eval/study.json",
+        "eval/results.md",
+        "eval/claims.png",
+    }
+    children = [r for r in runs.values() if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.data.tags["mdc.run_name"] for r in children) == [
+        "smoke-cmlm-s0",
+        "smoke-cmlm-s1",
+        "smoke-mdc-s0",
+        "smoke-mdc-s1",
+    ]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -31,11 +33,12 @@ from mdc.data.img2dataset import damage_folder, generated_rows, write_img2datase
 from mdc.train import checkpoint as ckpt
 from pipelines import tracking
 from pipelines.local_cluster import add_node
-from pipelines.worker.callbacks import GroupLog, group_lines
+from pipelines.worker.callbacks import GroupLog, HoldAfterJustInTime, group_lines
 
 pytestmark = pytest.mark.ray
 SHARDS, ROWS_PER_SHARD = 12, 16
 WORKER_NODE = {"num_cpus": 1}
+RAY = str(Path(sys.executable).parent / "ray")
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +195,56 @@ def test_losing_the_node_of_rank_1_resumes_on_a_replacement_like_an_uninterrupte
         (step, shard, row) for _, step, shard, row in steady_rows
     )
     assert len({(shard, row) for _, _, shard, row in rows}) == len(rows)
+
+
+@pytest.mark.timeout(900)
+def test_a_reclaim_notice_checkpoints_at_once_and_the_restart_trains_no_step_twice(
+    multinode, steady, damaged_data, tmp_path
+):
+    """Once step 2 is trained, the node of a training worker is drained as a spot reclaim drains it
+    (`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`, 30 s ahead). The next logged step
+    saves a just-in-time checkpoint (checkpoint_every is 100); the workers stop right after it (a
+    test hold, as if the node went then) and a replacement node is added. At the deadline Ray Train
+    restarts the group (max_failures is 0: the restart is charged to the preemption budget) on the
+    node left and the replacement; the reclaimed node is then removed. The run resumes from the
+    just-in-time checkpoint and ends like the uninterrupted run, no step trained twice."""
+    from ray.util.state import list_actors
+
+    from pipelines.train import run_training
+
+    steady_cfg, steady_summary, steady_logs = steady
+    cfg = spread_config(
+        tmp_path, "reclaimed", damaged_data[0], placement_strategy="STRICT_SPREAD", checkpoint_every=100, max_failures=0
+    )
+    holds, rows = tmp_path / "holds", tmp_path / "rows"
+    holds.mkdir()
+    rows.mkdir()
+    hold = HoldAfterJustInTime(str(holds), every=100)
+    run = in_background(run_training, cfg, fault=hold, trained_rows_dir=str(rows))
+    wait_until(lambda: any(step >= 2 for _, step, _, _ in trained_rows(rows)), run, 480, "step 2 to be trained")
+    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    reclaimed = workers[0].node_id
+    drain = [RAY, "drain-node", "--address", multinode.address, "--node-id", reclaimed]
+    drain += ["--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim (test)"]
+    subprocess.run([*drain, "--deadline-remaining-seconds", "30"], check=True, capture_output=True, timeout=60)
+    wait_until(lambda: len(list(holds.glob("held_*"))) == 2, run, 240, "a just-in-time checkpoint")
+    saved = int((holds / "held_0").read_text())
+    assert 3 <= saved < 9 and ckpt.problem(str(Path(cfg.storage_uri) / "reclaimed" / f"checkpoint_{saved:08d}")) is None
+    add_node(multinode, **WORKER_NODE)  # the replacement a reclaim notice brings; at the deadline the group restarts
+    wait_until(lambda: any(step > saved for _, step, _, _ in trained_rows(rows)), run, 300, "the restarted group")
+    multinode.remove_node(next(n for n in multinode.worker_nodes if n.node_id == reclaimed), allow_graceful=False)
+    summary = run.result(timeout=600)
+
+    assert (
+        summary.metrics["step"] == 9
+        and MlflowClient(cfg.mlflow_uri).get_run(summary.mlflow_run_id).info.status == "FINISHED"
+    )
+    resumed = tracking.metric_history(cfg.mlflow_uri, summary.mlflow_run_id, ["resumed_from_step"])
+    assert [v for _, v in resumed["resumed_from_step"]] == [saved]
+    assert loss_steps(cfg, summary.mlflow_run_id) == loss_steps(steady_cfg, steady_summary.mlflow_run_id)
+    trained, steady_rows = trained_rows(rows), trained_rows(steady_logs / "rows")
+    assert Counter(step for _, step, _, _ in trained) == {step: 16 for step in range(1, 10)}  # no step twice
+    assert sorted(row[1:] for row in trained) == sorted(row[1:] for row in steady_rows)
 
 
 def most_at_once(intervals: list[tuple[int, int]]) -> int:

@@ -121,6 +121,17 @@ def test_the_summary_line_names_each_step_and_its_error():
     )
 
 
+def release_when_logged(stop, mlflow_uri: str, key: str, step: int, path) -> None:
+    """Writes `path` once some run in `mlflow_uri` has logged `key` at `step` (polled until `stop`)."""
+    client = MlflowClient(mlflow_uri)
+    while not stop.wait(1.0):
+        ids = [e.experiment_id for e in client.search_experiments()]
+        runs = client.search_runs(ids) if ids else []
+        if any(m.step == step for run in runs for m in client.get_metric_history(run.info.run_id, key)):
+            path.write_text(str(step))
+            return
+
+
 def evaluation_bundles(stop, seen: list) -> None:
     """Every online evaluation bundle Ray holds, polled until `stop`."""
     while not stop.wait(0.5):
@@ -133,8 +144,11 @@ def evaluation_bundles(stop, seen: list) -> None:
 @pytest.mark.timeout(420)
 def test_a_run_logs_the_probe_and_compositionality_against_step_while_it_trains(ray_cluster, shapes_dir, tmp_path):
     """Two workers (0.5 CPU each) and ingest take every CPU but the evaluation's 0.25, which the run
-    sets aside before its workers are placed: the step-10 evaluation is logged before training ends."""
+    sets aside before its workers are placed: the step-10 evaluation is logged while the run trains.
+    The workers wait at step 21 until it is (HoldUntilFile): an evaluation that waited for training
+    to end would never be logged, and the hold would fail the run."""
     from pipelines.train import run_training
+    from pipelines.worker.callbacks import HoldUntilFile
 
     cfg = load_config(
         None,
@@ -159,14 +173,24 @@ def test_a_run_logs_the_probe_and_compositionality_against_step_while_it_trains(
             "eval.timeout_s=240",
         ],
     )
-    stop, bundles = threading.Event(), []
-    watcher = threading.Thread(target=evaluation_bundles, args=(stop, bundles), daemon=True)
-    watcher.start()
+    stop, bundles, released = threading.Event(), [], tmp_path / "step-10-probe-logged"
+    watchers = [
+        threading.Thread(target=evaluation_bundles, args=(stop, bundles), daemon=True),
+        threading.Thread(
+            target=release_when_logged,
+            args=(stop, cfg.mlflow_uri, online_eval.PROBE_KEY, 10, released),
+            daemon=True,
+        ),
+    ]
+    for watcher in watchers:
+        watcher.start()
     try:
-        summary = run_training(cfg)
+        summary = run_training(cfg, fault=HoldUntilFile(step=21, path=str(released), timeout_s=240))
     finally:
         stop.set()
-        watcher.join(timeout=10)
+        for watcher in watchers:
+            watcher.join(timeout=10)
+    assert released.exists()
     assert bundles and all(b == {0: {"CPU": 0.25}} for b in bundles), bundles[:3]
     client = MlflowClient(cfg.mlflow_uri)
     metrics = {

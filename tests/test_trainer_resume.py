@@ -81,3 +81,28 @@ def test_a_chunk_gets_the_same_noise_and_crops_on_any_rank_and_split(gloo_proces
         model, trainer.optimizer, trainer.scheduler, images, tokens, objective, 1.0, noise, micro_batches=2
     )
     torch.testing.assert_close(loss["loss"], torch.stack(rank_losses).mean(), rtol=1e-6, atol=0)
+
+
+def test_a_reclaim_notice_saves_a_checkpoint_at_the_next_logged_step_once(gloo_process_group, tmp_path):
+    """checkpoint_every 100, logged every 2 steps: the notice read at step 4 saves checkpoint 4 (and
+    only it, though the notice is read again at 6 and 8); a second node's notice at 8 saves 8. The
+    run resumed from 4 trains steps 5 on, as from any checkpoint."""
+    from types import SimpleNamespace
+
+    trainer = local_trainer(tmp_path, 10, 2)
+    first = SimpleNamespace(deadline_ms=None, preempted_node_ids=["node-a"], preempted_ranks=[0])
+    second = SimpleNamespace(deadline_ms=None, preempted_node_ids=["node-a", "node-b"], preempted_ranks=[0])
+    trainer.session.notices = [None, first, first, second]  # read at steps 2, 4, 6, 8; none at 10
+    trainer.restore()
+    trainer.train()
+    saved = sorted(step for step, _ in ckpt._checkpoints(trainer.checkpointer.run_dir, None))
+    assert saved == [4, 8, 10]  # 10: the last step
+    assert all(ckpt.problem(ckpt.checkpoint_dir(trainer.checkpointer.run_dir, s)) is None for s in saved)
+    notes = [e for e in trainer.events if "reclaim notice" in str(e)]
+    assert len(notes) == 2 and "checkpoint at step 4" in str(notes[0]), notes
+
+    for step in (10, 8):
+        ckpt.remove(ckpt.checkpoint_dir(trainer.checkpointer.run_dir, step))
+    resumed = local_trainer(tmp_path, 10, 2)
+    resumed.restore()
+    assert resumed.step == 4

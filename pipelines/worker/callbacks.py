@@ -1,5 +1,5 @@
 """Optional hooks the trainer calls at fixed points, instead of branches in its loop: fault
-injection, row recording and worker-group logging, all for tests."""
+injection, row recording, worker-group logging and holds, all for tests."""
 
 from __future__ import annotations
 
@@ -93,6 +93,45 @@ class GroupLog(Callback):
             raise RuntimeError(
                 f"rank {rank} of {world} held at step {step} for {self.timeout_s:g} s: no node came or went"
             )
+
+
+@dataclass
+class HoldAfterJustInTime(Callback):
+    """For the reclaim test: once a checkpoint at a step that is not a multiple of `every` (a
+    just-in-time one) is committed, every rank writes the step to DIRECTORY/held_RANK and waits
+    there for the test to take a node away, so no step is trained after that checkpoint; a hold
+    that lasts `timeout_s` raises."""
+
+    directory: str
+    every: int
+    timeout_s: float = 300.0
+
+    def checkpoint(self, step: int, rank: int, at: str) -> None:
+        held = Path(self.directory, f"held_{rank}")
+        if at == "committed" and step % self.every and not held.exists():
+            held.write_text(str(step))
+            time.sleep(self.timeout_s)
+            raise RuntimeError(f"rank {rank} held after checkpoint {step} for {self.timeout_s:g} s: no node went")
+
+
+@dataclass
+class HoldUntilFile(Callback):
+    """For the online-evaluation test: every rank waits at the start of `step` until `path`
+    exists (the test writes it once an evaluation of an earlier step is logged), so what the test
+    sees does not depend on how fast the machine is; a hold that lasts `timeout_s` raises."""
+
+    step: int
+    path: str
+    timeout_s: float = 240.0
+
+    def step_start(self, step: int, rank: int) -> None:
+        if step != self.step:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not os.path.exists(self.path):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {rank} held at step {step} for {self.timeout_s:g} s: {self.path} never came")
+            time.sleep(0.5)
 
 
 def group_lines(directory: str | Path, rank: int) -> list[tuple[int, int, str]]:

@@ -62,12 +62,13 @@ class Checkpointer:
         dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
-    def save(self, trainer_state: dict, extra_state: dict) -> None:
+    def save(self, trainer_state: dict, extra_state: dict, wait: bool = False) -> None:
         """Collective. Each rank stages its DCP shard locally and copies it into the run's storage;
         then rank 0 marks the checkpoint complete and deletes the ones no longer kept. In the
         background, training resumes once the shards are staged, and the copy and commit finish in
         a thread. The last checkpoint, finished before returning, and those evaluated online also
-        carry the exported full weights."""
+        carry the exported full weights. `wait`: finished before returning, as the last is (a
+        just-in-time checkpoint: its node is about to go)."""
         step = trainer_state["step"]
         uri, final = ckpt.checkpoint_dir(self.run_dir, step), step == self.cfg.train.steps
         model, _, _, ema = self.parts
@@ -85,7 +86,7 @@ class Checkpointer:
             self._finish(directory, uri, step)
         else:
             self.background.submit(lambda: self._finish(directory, uri, step))
-            if final:
+            if final or wait:
                 self.background.wait()
 
     def _finish(self, directory: str, uri: str, step: int) -> None:

@@ -41,3 +41,8 @@ class RaySession:
 
     def report(self, metrics: dict) -> None:
         ray.train.report(metrics)
+
+    def preemption_notice(self):
+        """Ray Train's notice that a node of this group is being reclaimed (a spot preemption, a
+        drain), or None. Collective over the group (every rank calls it at the same steps)."""
+        return ray.train.get_preemption_info()

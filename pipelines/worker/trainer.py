@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import torch
@@ -87,7 +88,7 @@ class Trainer:
         )
         self.metrics = MetricsLogger(tc.log_every, tc.steps, session.world_size, sinks)
         self.validator = Validator(session.val_batches(), cfg.objective, tc.val_every, tc.steps, tc.seed, self.device)
-        self.step, self.val_loss = 0, None
+        self.step, self.val_loss, self.reclaimed_nodes = 0, None, set()
 
     def restore(self) -> None:
         """Collective: the checkpoint's weights, step and data position, or a start from scratch."""
@@ -133,7 +134,24 @@ class Trainer:
             self.metrics.note_host(step, val_loss=self.val_loss)
             self.metrics.note(f"validation at step {step}: val_loss {self.val_loss:.4f}")
         if self.metrics.due(step) or self.checkpointer.due(step):
-            self._log_and_save(step)
+            self._log_and_save(step, just_in_time=self.metrics.due(step) and self._reclaimed(step))
+
+    def _reclaimed(self, step: int) -> bool:
+        """Collective, on logged steps only (no sync of its own elsewhere): whether a node of the
+        group has been told it is reclaimed since the last just-in-time checkpoint. Then this step
+        is saved at once, and training goes on until the node goes; the restart resumes from it."""
+        notice = self.session.preemption_notice()
+        if notice is None or set(notice.preempted_node_ids) <= self.reclaimed_nodes:
+            return False
+        self.reclaimed_nodes |= set(notice.preempted_node_ids)
+        left = (
+            f", {max(0.0, notice.deadline_ms / 1000 - time.time()):.0f} s before it goes" if notice.deadline_ms else ""
+        )
+        self.metrics.note(
+            f"reclaim notice for node(s) {', '.join(n[:12] for n in notice.preempted_node_ids)} "
+            f"(ranks {notice.preempted_ranks}){left}: checkpoint at step {step}"
+        )
+        return True
 
     def _inputs(self, batch: dict, step: int, chunks: range) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's images, each micro-batch cropped from its own chunk's seed, and tokens."""
@@ -144,15 +162,16 @@ class Trainer:
             pixels = torch.cat([augment(p, kind, augment_seed(seed, step, c)) for p, c in parts])
         return normalize(pixels), batch["tokens"].to(self.device, non_blocking=True)
 
-    def _log_and_save(self, step: int) -> None:
+    def _log_and_save(self, step: int, just_in_time: bool = False) -> None:
         logged = {**self.metrics.log(step, self.cursor.wait_s), "step": step}
         if self.val_loss is not None:  # every report carries the latest, for early stopping
             logged["val_loss"] = self.val_loss
-        saving = self.checkpointer.due(step)
+        saving = self.checkpointer.due(step) or just_in_time
         if saving:
             self.checkpointer.save(
                 {"step": step, "epoch": self.cursor.epoch, "workers": self.session.world_size, "metrics": logged},
                 self.cursor.state(self.device),
+                wait=just_in_time,
             )
         self.session.report(logged)
         if saving:
