@@ -326,7 +326,7 @@ def build_dataset(
     rows = max(DECODE_BATCH, rows_per_block or 0)
     ds.context.target_max_block_size = rows * (3 * image_size**2 + 8 * (max_length + 3))  # 3 tags
     if rows_per_block:  # slicing and joining blocks: no CPU of its own, so it never waits for one
-        ds = ray_private.repartition_cpus(ds.repartition(target_num_rows_per_block=rows_per_block, strict=True), 0)
+        ds = ray_private.repartition_in_one_task(ds.repartition(target_num_rows_per_block=rows_per_block, strict=True))
     return ds
 
 

@@ -50,3 +50,10 @@ def test_no_private_ray_import_outside_the_one_module():
     found = [hit for p in sources if p != ROOT / "pipelines" / "ray_private.py" for hit in private_imports(p)]
     assert found == []
     assert private_imports(ROOT / "pipelines" / "ray_private.py")  # the scan sees what it looks for
+
+
+def test_the_strict_repartition_asks_no_cpu_and_runs_one_task_at_a_time():
+    ds = ray.data.range(10).repartition(target_num_rows_per_block=4, strict=True)  # lazy: starts no Ray
+    operator = ray_private.repartition_in_one_task(ds)._logical_plan.dag
+    assert operator.ray_remote_args["num_cpus"] == 0
+    assert operator.compute.size == 1
