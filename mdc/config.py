@@ -106,8 +106,9 @@ class TrainConfig(_Section):
     global_batch_size: int | None = Field(
         None,
         ge=1,
-        description="the optimiser's batch; a multiple of batch_size × workers for every worker count "
-        "num_workers allows (gradient accumulation); default batch_size × the most workers",
+        description="the optimiser's batch, whatever the number of workers: a multiple of batch_size, split "
+        "into micro-batches of batch_size over the workers (gradient accumulation; an uneven split pads the "
+        "short shares with weight-0 passes); default batch_size × the most workers",
     )
     activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward")
     compile: bool = Field(False, description="torch.compile each transformer block")
@@ -124,12 +125,6 @@ class TrainConfig(_Section):
         2,
         description="training workers: N, or [MIN, MAX] for elastic training (Ray Train starts once MIN fit, "
         "shrinks when a node goes, grows when nodes join; the global batch stays the same)",
-    )
-    workers_per_node: int = Field(
-        1,
-        ge=1,
-        description="elastic training on nodes of this many GPUs (one worker each): the group grows and "
-        "shrinks by whole nodes, so only multiples of it are worker counts the global batch must split over",
     )
     elastic_resize_monitor_interval_s: float = Field(
         60.0, ge=0.0, description="elastic training: how often Ray Train looks for room to grow the group"
@@ -164,25 +159,12 @@ class TrainConfig(_Section):
                 "num_workers must be N >= 1 or [MIN, MAX] with 1 <= MIN <= MAX, "
                 f"got {self._workers_as_yaml(self.num_workers)}"
             )
-        if self.elastic and (low % self.workers_per_node or high % self.workers_per_node):
+        if self.global_batch % self.batch_size:
             raise ValueError(
-                f"num_workers {list(self.num_workers)} must run from whole nodes to whole nodes: MIN and MAX "
-                f"multiples of workers_per_node {self.workers_per_node}"
-            )
-        bad = [n for n in self.worker_counts if self.global_batch % (self.batch_size * n)]
-        if bad:
-            raise ValueError(
-                f"global_batch_size {self.global_batch} is not a multiple of batch_size × workers for "
-                f"{', '.join(f'{n} workers ({self.batch_size} × {n} = {self.batch_size * n})' for n in bad)}; "
-                f"num_workers {self._workers_as_yaml(self.num_workers)} allows each of "
-                f"{', '.join(map(str, self.worker_counts))}"
+                f"global_batch_size {self.global_batch} is not a multiple of batch_size {self.batch_size}: "
+                "a step is a whole number of micro-batches"
             )
         return self
-
-    @property
-    def worker_counts(self) -> list[int]:
-        """Every group size Ray Train may run: N, or each whole number of nodes in [MIN, MAX]."""
-        return list(range(self.min_workers, self.max_workers + 1, self.workers_per_node if self.elastic else 1))
 
     @property
     def elastic(self) -> bool:
@@ -201,17 +183,12 @@ class TrainConfig(_Section):
         """Pairs per optimiser step, whatever the number of workers."""
         return self.global_batch_size or self.batch_size * self.max_workers
 
-    def accumulation_steps(self, workers: int) -> int:
-        """Micro-batches per worker per optimiser step when `workers` train; a group size the
-        global batch does not split over (a node with fewer GPUs than workers_per_node) is an error."""
-        if self.global_batch % (self.batch_size * workers):
-            raise ValueError(
-                f"a group of {workers} workers cannot keep global_batch_size {self.global_batch}: not a multiple of "
-                f"batch_size × workers = {self.batch_size * workers} "
-                f"(num_workers {self._workers_as_yaml(self.num_workers)}, "
-                f"workers_per_node {self.workers_per_node}: a node with fewer GPUs than that?)"
-            )
-        return self.global_batch // (self.batch_size * workers)
+    @property
+    def micro_batches_per_step(self) -> int:
+        """The global batch's micro-batches, dealt to however many workers train
+        (pipelines/worker/deal.py): any group size keeps the global batch, one that does not
+        divide this pads the short shares."""
+        return self.global_batch // self.batch_size
 
 
 class EvalConfig(_Section):

@@ -46,14 +46,18 @@ class ConstantNLL(nn.Module):
 class LocalSession:
     """Ray Train's side of the worker's `Trainer`, in this process: rank `rank` of `world_size`
     (one, unless the test made a bigger gloo group), CPU, `steps` batches of `batch` random 32-px
-    images (with `same_images`, one batch repeated)."""
+    images (with `same_images`, one batch repeated), cut into blocks of `block` rows and dealt as
+    Ray's equal, order-preserving split deals them: block k to rank k mod world_size, each rank as
+    many whole blocks (pipelines/worker/deal.py)."""
 
     device = torch.device("cpu")
 
-    def __init__(self, steps: int, batch: int = 4, same_images: bool = False, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self, steps: int, batch: int = 4, same_images: bool = False, rank: int = 0, world_size: int = 1, block: int = 4
+    ):
         from mdc.data.tokenizer import CaptionTokenizer
 
-        self.rank, self.world_size, self.reports = rank, world_size, []
+        self.rank, self.world_size, self.block, self.reports = rank, world_size, block, []
         self.notices: list = []  # what preemption_notice returns at each logged step, then None
         tokens = torch.from_numpy(CaptionTokenizer(16).encode(["a red circle", "a small blue square"] * (batch // 2)))
         rng = np.random.default_rng(0)
@@ -70,7 +74,13 @@ class LocalSession:
         ]
 
     def train_batches(self, epoch):
-        return iter(self.batches)
+        blocks = [
+            {k: v[i : i + self.block] for k, v in b.items()}
+            for b in self.batches
+            for i in range(0, len(b["row"]), self.block)
+        ]
+        each = len(blocks) // self.world_size
+        return iter(blocks[self.rank :: self.world_size][:each])
 
     def val_batches(self):
         return []

@@ -116,17 +116,20 @@ def rows_and_losses(tmp_path, cfg, run_id: str) -> tuple[dict, list[float]]:
 
 
 @pytest.mark.timeout(1200)
-def test_the_same_rows_and_losses_on_one_worker_two_and_after_a_resize(ray_cluster, tmp_path):
+def test_the_same_rows_and_losses_on_one_worker_two_three_and_after_a_resize(ray_cluster, tmp_path):
     """Global batch 16, crops on. One worker × 2 micro-batches for 6 steps, against two workers × 1
     that stop after checkpoint 3 (a worker dies, no retry) and a relaunch on one worker, which
-    resumes at step 4 (the checkpoint resharded 2 → 1): every step the same 16 rows, none twice,
-    and the same losses but for float summation order (the same noise and crops for every chunk,
-    pipelines/worker/seeds.py)."""
+    resumes at step 4 (the checkpoint resharded 2 → 1), and against three workers, which the 2
+    micro-batches do not split over (each step one worker holds none and runs a weight-0 pass,
+    pipelines/worker/deal.py): every step the same 16 rows, none twice, and the same losses but
+    for float summation order (the same noise and crops for every chunk, pipelines/worker/seeds.py)."""
     from pipelines.train import Fault, run_training
 
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
     (one_dir / "rows").mkdir(parents=True)
     (two_dir / "rows").mkdir(parents=True)
+    three_dir = tmp_path / "three"
+    (three_dir / "rows").mkdir(parents=True)
     one = run_config(one_dir, "one-worker", 1)
     summary = run_training(one, trained_rows_dir=str(one_dir / "rows"))
     rows_one, losses_one = rows_and_losses(one_dir, one, summary.mlflow_run_id)
@@ -143,10 +146,16 @@ def test_the_same_rows_and_losses_on_one_worker_two_and_after_a_resize(ray_clust
     summary = run_training(resized, trained_rows_dir=str(two_dir / "rows"))
     rows_two, losses_two = rows_and_losses(two_dir, resized, summary.mlflow_run_id)
 
+    three = run_config(three_dir, "three-workers", 3, "train.cpus_per_worker=0.4")
+    summary = run_training(three, trained_rows_dir=str(three_dir / "rows"))
+    rows_three, losses_three = rows_and_losses(three_dir, three, summary.mlflow_run_id)
+
     order = epoch_order(one)  # step s trains rows 16(s - 1) … 16s - 1 of epoch 0's one order
     assert rows_one == {s: sorted(order[GLOBAL_BATCH * (s - 1) : GLOBAL_BATCH * s]) for s in range(1, STEPS + 1)}
     assert rows_two == rows_one  # steps 1-3 on two workers, 4-6 on one after the resume: no row twice
-    assert len(losses_one) == len(losses_two) == STEPS
-    difference = np.max(np.abs(np.array(losses_one) - np.array(losses_two)) / np.array(losses_one))
-    print(f"largest relative difference of the per-step losses: {difference:.2e}")
-    assert difference <= 1e-5
+    assert rows_three == rows_one
+    assert len(losses_one) == len(losses_two) == len(losses_three) == STEPS
+    for losses in (losses_two, losses_three):
+        difference = np.max(np.abs(np.array(losses_one) - np.array(losses)) / np.array(losses_one))
+        print(f"largest relative difference of the per-step losses: {difference:.2e}")
+        assert difference <= 1e-5

@@ -40,7 +40,7 @@ def train_on_two_ranks(rank: int, tmp: str) -> None:
     try:
         session = LocalSession(3, batch=4, rank=rank, world_size=2)
         trainer = local_trainer(Path(tmp), 6, 3, *ELASTIC, session=session)
-        assert trainer.accumulation == 1
+        assert trainer.deal.passes == 1
         trainer.restore()
         trainer.train()
         state = full_state(trainer)
@@ -58,7 +58,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_with_the_same_state(gloo_proce
 
     session = LocalSession(2, batch=8)  # one rank: the whole global batch of 8, as 2 micro-batches of 4
     resumed = local_trainer(tmp_path, 8, 1, *ELASTIC, session=session)
-    assert resumed.accumulation == 2
+    assert resumed.deal.passes == 2
     resumed.restore()
     assert resumed.step == 6
     one_rank = full_state(resumed)

@@ -59,24 +59,29 @@ def test_a_chunk_gets_the_same_noise_and_crops_on_any_rank_and_split(gloo_proces
     rank instead, rank 1's chunk would be cropped and masked as rank 0's."""
     from mdc.registry import compute_loss
     from mdc.train.step import device_step
-    from pipelines.worker.seeds import noise_generator, rank_chunks
+    from pipelines.worker.cursor import StepBlocks
+    from pipelines.worker.deal import BlockDeal
+    from pipelines.worker.seeds import noise_generator
 
     trainer = local_trainer(tmp_path, 1, 1, "data.augment=crop", "train.global_batch_size=4", "train.batch_size=2")
     batch = trainer.session.batches[0]
-    images, tokens = trainer._inputs(batch, 7, rank_chunks(0, 1, 2))
-    halves = [{k: v[2 * r : 2 * r + 2] for k, v in batch.items()} for r in (0, 1)]
-    by_rank = [trainer._inputs(half, 7, rank_chunks(r, 2, 1)) for r, half in enumerate(halves)]
+    blocks = [{k: v[2 * c : 2 * c + 2] for k, v in batch.items()} for c in (0, 1)]
+    alone, pair = BlockDeal(2, 1), BlockDeal(2, 2)
+    images, tokens = trainer._inputs(StepBlocks(blocks, alone.chunks(0, 0), blocks[0]), 7)
+    trainer.deal = pair
+    by_rank = [trainer._inputs(StepBlocks([blocks[r]], pair.chunks(r, 0), blocks[r]), 7) for r in (0, 1)]
     assert torch.equal(images, torch.cat([by_rank[0][0], by_rank[1][0]]))
-    assert not torch.equal(by_rank[1][0], trainer._inputs(halves[1], 7, rank_chunks(0, 2, 1))[0])
+    as_rank_0 = trainer._inputs(StepBlocks([blocks[1]], pair.chunks(0, 0), blocks[1]), 7)[0]
+    assert not torch.equal(by_rank[1][0], as_rank_0)
 
     model, objective = trainer.model, trainer.cfg.objective
     with torch.no_grad():
         rank_losses = [
             compute_loss(model, imgs, toks, objective, noise_generator(0, 7, chunk, "cpu"))[0]
             for r, (imgs, toks) in enumerate(by_rank)
-            for chunk in rank_chunks(r, 2, 1)
+            for chunk in pair.chunks(r, 0)
         ]
-    noise = [noise_generator(0, 7, chunk, "cpu") for chunk in rank_chunks(0, 1, 2)]
+    noise = [noise_generator(0, 7, chunk, "cpu") for chunk in alone.chunks(0, 0)]
     loss = device_step(
         model, trainer.optimizer, trainer.scheduler, images, tokens, objective, 1.0, noise, micro_batches=2
     )

@@ -85,52 +85,30 @@ def test_a_batch_that_does_not_split_is_refused():
         train_step(model, optimizer, scheduler, *batch(12), ObjectiveConfig(), 1.0, micro_batches=8)
 
 
-def test_global_batch_sets_the_accumulation_steps_and_must_divide():
+def test_a_global_batch_is_whole_micro_batches_and_any_group_size_keeps_it():
+    """The optimiser's batch is a multiple of batch_size and nothing else: any number of workers
+    (a fixed 3, or whatever Ray picks in an elastic range, e.g. 15 of [8, 16]) is dealt its
+    micro-batches (pipelines/worker/deal.py)."""
     cfg = load_config(None, ["train.batch_size=8", "train.num_workers=2", "train.global_batch_size=64"])
-    assert cfg.train.accumulation_steps(2) == 4
-    assert load_config(None, ["train.batch_size=8", "train.num_workers=2"]).train.accumulation_steps(2) == 1
-    with pytest.raises(
-        ConfigError,
-        match=r"global_batch_size 60 is not a multiple of batch_size × workers for 2 workers \(8 × 2 = 16\)",
-    ):
+    assert cfg.train.micro_batches_per_step == 8
+    assert load_config(None, ["train.batch_size=8", "train.num_workers=2"]).train.global_batch == 16  # × the most
+    assert load_config(None, ["train.batch_size=8", "train.num_workers=3", "train.global_batch_size=32"])
+    elastic = load_config(None, ["train.batch_size=128", "train.global_batch_size=2048", "train.num_workers=[8,16]"])
+    assert elastic.train.micro_batches_per_step == 16 and elastic.train.elastic
+    with pytest.raises(ConfigError, match=r"global_batch_size 60 is not a multiple of batch_size 8"):
         load_config(None, ["train.batch_size=8", "train.num_workers=2", "train.global_batch_size=60"])
 
 
-def test_an_elastic_range_keeps_the_global_batch_for_every_worker_count(tmp_path):
+def test_an_elastic_range_is_a_list_in_yaml_and_must_be_ordered(tmp_path):
     cfg = load_config(None, ["train.batch_size=4", "train.num_workers=[1,4]", "train.global_batch_size=48"])
     assert cfg.train.elastic and (cfg.train.min_workers, cfg.train.max_workers) == (1, 4)
-    assert [cfg.train.accumulation_steps(n) * 4 * n for n in (1, 2, 3, 4)] == [48] * 4  # what the optimiser sees
-    assert [cfg.train.accumulation_steps(n) for n in (1, 2, 3, 4)] == [12, 6, 4, 3]
-    assert load_config(None, ["train.batch_size=4", "train.num_workers=[1,2]"]).train.global_batch == 8  # × the most
     assert load_config(None, ["train.num_workers=3"]).train.elastic is False
     assert load_config(None, ["train.num_workers=[3,3]"]).train.num_workers == 3  # one size: fixed
     assert "num_workers:\n  - 1\n  - 4\n" in dump_config(cfg)  # a list in YAML, read back the same
     (tmp_path / "run.yaml").write_text(dump_config(cfg))
     assert load_config(tmp_path / "run.yaml").train.num_workers == (1, 4)
-    with pytest.raises(
-        ConfigError,
-        match=r"for 3 workers \(4 × 3 = 12\), 4 workers \(4 × 4 = 16\); num_workers \[2, 4\] allows each of 2, 3, 4",
-    ):
-        load_config(None, ["train.batch_size=4", "train.num_workers=[2,4]", "train.global_batch_size=8"])
     with pytest.raises(ConfigError, match=r"1 <= MIN <= MAX, got \[3, 2\]"):
         load_config(None, ["train.num_workers=[3,2]"])
-    with pytest.raises(ValueError, match=r"a group of 5 workers cannot keep global_batch_size 48"):
-        cfg.train.accumulation_steps(5)  # what a worker says if Ray Train ever runs a size outside the range
-
-
-def test_an_elastic_range_over_multi_gpu_nodes_counts_whole_nodes():
-    """8-GPU nodes: Ray Train runs 8, 16 or 24 workers, so 8192 = 128 × 64 must split over those
-    three only (not 9..15, which would leave no usable range at all)."""
-    nodes = ["train.batch_size=128", "train.global_batch_size=8192", "train.workers_per_node=8"]
-    cfg = load_config(None, [*nodes, "train.num_workers=[8,16]"])
-    assert cfg.train.worker_counts == [8, 16] and [cfg.train.accumulation_steps(n) for n in (8, 16)] == [8, 4]
-    with pytest.raises(
-        ConfigError, match=r"for 24 workers \(128 × 24 = 3072\); num_workers \[8, 24\] allows each of 8, 16, 24"
-    ):
-        load_config(None, [*nodes, "train.num_workers=[8,24]"])
-    with pytest.raises(ConfigError, match=r"MIN and MAX multiples of workers_per_node 8"):
-        load_config(None, [*nodes, "train.num_workers=[4,16]"])
-    assert load_config(None, [*nodes, "train.num_workers=8"]).train.worker_counts == [8]
 
 
 def loss_and_grads(model, objective=ObjectiveConfig()):

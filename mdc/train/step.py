@@ -62,11 +62,12 @@ def train_step(
     generator=None,
     ema: EMA | None = None,
     micro_batches: int = 1,
+    weights: list[float] | None = None,
 ) -> dict:
     """`device_step` with its metrics read back as floats: for callers that look at every step
     (tests, benchmarks); each read is a host sync."""
     metrics = device_step(
-        model, optimizer, scheduler, images, tokens, objective, grad_clip, generator, ema, micro_batches
+        model, optimizer, scheduler, images, tokens, objective, grad_clip, generator, ema, micro_batches, weights
     )
     return {k: float(as_plain(v)) for k, v in metrics.items()}
 
@@ -87,14 +88,16 @@ def device_step(
     generator=None,
     ema: EMA | None = None,
     micro_batches: int = 1,
+    weights: list[float] | None = None,
 ) -> dict:
     """Forward, backward, clip, step. Returns the metrics (loss, grad_norm, ...) as tensors on the
     device, so a step forces no host sync, and lr as a float (the scheduler's, on the host).
 
     With `micro_batches` > 1 the batch is split into that many equal micro-batches whose gradients
-    accumulate before the one optimiser step: each micro-batch's loss is divided by their number,
-    so the step is the full batch's step when every micro-batch has the same loss normaliser
-    (e.g. as many caption tokens). An FSDP2 model reduces gradients across ranks, and frees its
+    accumulate before the one optimiser step: each micro-batch's loss (and metrics) are weighted
+    `weights[i]`, by default 1/their number, so the step is the full batch's step when every
+    micro-batch has the same loss normaliser (e.g. as many caption tokens). A worker whose share
+    of the global batch is short pads it with micro-batches of weight 0 (pipelines/worker/deal.py). An FSDP2 model reduces gradients across ranks, and frees its
     gathered parameters after backward, only on the last micro-batch: the others reuse the
     parameters the first one gathered (one all-gather per step, not one per micro-batch). Noise
     draws come from `generator`, in micro-batch order, or from a list of one generator per
@@ -105,15 +108,16 @@ def device_step(
     optimizer.zero_grad(set_to_none=True)
     totals: dict = {}
     generators = generator if isinstance(generator, (list, tuple)) else [generator] * micro_batches
+    weights = weights or [1.0 / micro_batches] * micro_batches
     for i, (imgs, toks) in enumerate(zip(images.chunk(micro_batches), tokens.chunk(micro_batches))):
         if fsdp:
             last = i == micro_batches - 1
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
         loss, metrics = compute_loss(model, imgs, toks, objective, generators[i])
-        (loss / micro_batches).backward()
+        (loss * weights[i]).backward()
         for key, value in {"loss": loss.detach(), **metrics}.items():
-            totals[key] = totals.get(key, 0.0) + value / micro_batches
+            totals[key] = totals.get(key, 0.0) + value * weights[i]
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     scheduler.step()

@@ -3,22 +3,40 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from pipelines.ingest import BatchFeed, ask
 from pipelines.position import DataPosition, EpochPlan, ShardTally, resume_point
 from pipelines.worker.args import IngestActors
+from pipelines.worker.deal import BlockDeal
 
 BAD_RECORDS_KEY = "skipped_by_shard"  # rank 0's bad-record counts per shard in a checkpoint's extra state
+
+
+@dataclass
+class StepBlocks:
+    """One rank's part of an optimiser step: its blocks (host tensors, one micro-batch each), their
+    places in the step's global batch, and `pad`, a block it holds to fill padded passes with."""
+
+    blocks: list[dict]
+    chunks: range
+    pad: dict
+
+    def tags(self) -> dict:
+        """The blocks' row tags (shard, row, ...), concatenated: what callbacks look at."""
+        keys = [k for k in self.pad if k not in ("image", "tokens")]
+        return {k: torch.cat([b[k] for b in self.blocks]) if self.blocks else self.pad[k][:0] for k in keys}
 
 
 class DataCursor:
     """The epoch's plan (its order, and what a resumed epoch passes over), this rank's per-shard
     tally and, through the ingest actors, the bad-record counts. `batches` yields one epoch of
-    optimiser-step batches from `source(epoch)` (`what` names them in errors), through a
-    `BatchFeed` that turns a stall into an error and adds up the time spent waiting (`wait_s`).
-    Its checkpoint part is `state`."""
+    this rank's `StepBlocks` from `source(epoch)`, a stream of one-micro-batch blocks dealt as
+    `deal` says (`what` names a step's batch in errors), through a `BatchFeed` that turns a stall
+    into an error and adds up the time spent waiting (`wait_s`). Its checkpoint part is `state`."""
 
     def __init__(
         self,
@@ -29,9 +47,10 @@ class DataCursor:
         num_shards: int,
         seed: int,
         rank: int,
+        deal: BlockDeal,
         what: str = "a batch",
     ):
-        self.source, self.feed, self.actors, self.what = source, feed, actors, what
+        self.source, self.feed, self.actors, self.deal, self.what = source, feed, actors, deal, what
         self.shard_list_id, self.num_shards, self.seed, self.rank = shard_list_id, num_shards, seed, rank
         self.plan = EpochPlan()
         self.tally = ShardTally(num_shards)
@@ -71,14 +90,24 @@ class DataCursor:
         dist.broadcast_object_list(plan, src=0)  # also the barrier: the actors are set
         self.plan = plan[0]
 
-    def batches(self) -> Iterator[dict]:
-        """The rest of the current epoch; ends it (`_end_epoch`) when it runs out."""
-        self.tally, count = ShardTally(self.num_shards, self.plan, self.rank), 0
-        for batch in self.feed(self.source(self.epoch)):
-            count += 1
-            self.tally.add(batch["shard"], batch["shard_rows"])  # trained on before any checkpoint sees it
-            yield batch
-        self._end_epoch(count)
+    def batches(self) -> Iterator[StepBlocks]:
+        """The rest of the current epoch, a step at a time; ends it (`_end_epoch`) at the first step
+        the stream cannot fill for every rank (pipelines/worker/deal.py: no rank needs to ask)."""
+        self.tally = ShardTally(self.num_shards, self.plan, self.rank)
+        stream, held, received, step, last = iter(self.feed(self.source(self.epoch))), [], 0, 0, None
+        while True:
+            while received < self.deal.blocks_to_know(step) and (block := next(stream, None)) is not None:
+                held.append(block)
+                received, last = received + 1, block
+            if received < self.deal.blocks_to_know(step):
+                break
+            chunks = self.deal.chunks(self.rank, step)
+            mine, held = held[: len(chunks)], held[len(chunks) :]
+            for block in mine:
+                self.tally.add(block["shard"], block["shard_rows"])  # trained on before any checkpoint sees it
+            yield StepBlocks(mine, chunks, pad=last)
+            step += 1
+        self._end_epoch(step)
 
     def _end_epoch(self, batches: int) -> None:
         resumed = bool(self.plan.passed_over or self.plan.rows_done)

@@ -21,8 +21,13 @@ class MetricsLogger:
     (every step's row reaches MLflow, all at once) and returns the last step's numbers. `sinks`
     are rank 0's (an MLflow `MetricLogger` and a progress `Reporter`), None on the other ranks."""
 
-    def __init__(self, log_every: int, steps: int, world_size: int, sinks: tuple | None):
-        self.log_every, self.steps, self.world_size = log_every, steps, world_size
+    def __init__(self, log_every: int, steps: int, world_size: int, images_per_step: int, sinks: tuple | None):
+        self.log_every, self.steps, self.world_size, self.images_per_step = (
+            log_every,
+            steps,
+            world_size,
+            images_per_step,
+        )
         self.mlflow, self.reporter = sinks if sinks is not None else (None, None)
         self.device_rows: list[tuple[int, dict]] = []  # (step, {name: device tensor})
         self.host_rows: dict[int, dict] = {}  # step -> numbers known on the host (lr, epoch, val_loss)
@@ -32,12 +37,14 @@ class MetricsLogger:
         return step % self.log_every == 0 or step == self.steps
 
     def record(self, step: int, metrics: dict, tokens: torch.Tensor, **host) -> None:
-        """No sync: device tensors are kept, floats go with `host` (e.g. epoch) to the step's row."""
+        """No sync: device tensors are kept, floats go with `host` (e.g. epoch) to the step's row.
+        `metrics` are weighted so that their mean over ranks (`log`) is the global batch's mean;
+        `tokens` are the captions this rank trained on, padding passes left out."""
         on_device = {k: v.detach() for k, v in metrics.items() if isinstance(v, torch.Tensor)}
         on_device[TOKENS] = (tokens != CaptionTokenizer.pad_id).sum()
         self.device_rows.append((step, on_device))
         self.note_host(step, **{k: v for k, v in metrics.items() if not isinstance(v, torch.Tensor)}, **host)
-        self.images += tokens.shape[0] * self.world_size
+        self.images += self.images_per_step
 
     def note_host(self, step: int, **numbers) -> None:
         self.host_rows.setdefault(step, {}).update(numbers)

@@ -18,13 +18,13 @@ class RaySession:
         self.train = ray.train.get_dataset_shard("train")
 
     def train_batches(self, epoch: int):
-        """One optimiser step's micro-batches at a time, on the host, pinned for a GPU: the trainer
-        moves the model's inputs without waiting (non_blocking) and tallies the tags where they are.
-        The rows come in the dataset's one order (shuffled upstream, pipelines/ingest.py), this
-        rank's micro-batch blocks in turn: no local shuffle, which would make them the rank's."""
+        """This rank's micro-batch blocks in turn, on the host, pinned for a GPU: the trainer moves
+        the model's inputs without waiting (non_blocking) and tallies the tags where they are. The
+        rows come in the dataset's one order (shuffled upstream, pipelines/ingest.py), cut into
+        blocks of exactly batch_size: no local shuffle, which would make them the rank's."""
         tc = self.cfg.train
         return self.train.iter_torch_batches(
-            batch_size=tc.batch_size * tc.accumulation_steps(self.world_size),
+            batch_size=tc.batch_size,
             drop_last=True,
             device="cpu",
             pin_memory=tc.use_gpu,

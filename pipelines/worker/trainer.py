@@ -19,9 +19,10 @@ from pipelines.online_eval import OnlineEvaluation
 from pipelines.worker.args import WorkerArgs
 from pipelines.worker.callbacks import RowRecorder
 from pipelines.worker.checkpointer import Checkpointer
-from pipelines.worker.cursor import DataCursor
+from pipelines.worker.cursor import DataCursor, StepBlocks
+from pipelines.worker.deal import BlockDeal
 from pipelines.worker.metrics import MetricsLogger, rank0_sinks
-from pipelines.worker.seeds import augment_seed, noise_generator, rank_chunks
+from pipelines.worker.seeds import augment_seed, noise_generator
 from pipelines.worker.session import RaySession
 from pipelines.worker.validator import Validator
 
@@ -44,7 +45,7 @@ class Trainer:
     def __init__(self, args: WorkerArgs, session):
         cfg, tc = args.cfg, args.cfg.train
         self.cfg, self.session, self.rank, self.device = cfg, session, session.rank, session.device
-        self.accumulation = tc.accumulation_steps(session.world_size)  # the global batch, whatever the group's size
+        self.deal = BlockDeal(tc.micro_batches_per_step, session.world_size)  # the global batch, whatever the size
         self.model = build_model(cfg, CaptionTokenizer, seed=tc.seed).to(self.device)  # the same on every rank
         prepare_model(
             self.model,
@@ -79,14 +80,15 @@ class Trainer:
             args.num_shards,
             tc.seed,
             self.rank,
-            f"batch of {tc.batch_size * self.accumulation} in {cfg.data.train_uri}",
+            self.deal,
+            f"global batch of {tc.global_batch} in {cfg.data.train_uri}",
         )
         sinks = (
             rank0_sinks(args.mlflow_uri, args.mlflow_run_id, args.progress, cfg.name, tc.steps)
             if self.rank == 0
             else None
         )
-        self.metrics = MetricsLogger(tc.log_every, tc.steps, session.world_size, sinks)
+        self.metrics = MetricsLogger(tc.log_every, tc.steps, session.world_size, tc.global_batch, sinks)
         self.validator = Validator(session.val_batches(), cfg.objective, tc.val_every, tc.steps, tc.seed, self.device)
         self.step, self.val_loss, self.reclaimed_nodes = 0, None, set()
 
@@ -98,6 +100,8 @@ class Trainer:
             self.step = state["step"]
             self.metrics.resumed(self.step, uri, param_norm(self.model))
         self.metrics.workers(self.step, self.session.world_size, state and state.get("workers"), self.cfg.train.elastic)
+        if self.deal.padded:
+            self.metrics.note(self.deal.describe(self.cfg.train.batch_size))
 
     def train(self) -> None:
         while self.step < self.cfg.train.steps:
@@ -106,14 +110,15 @@ class Trainer:
                 if self.step >= self.cfg.train.steps:
                     break
 
-    def train_step(self, batch: dict) -> None:
-        """One optimiser step; reads nothing back to the host unless it logs or saves."""
+    def train_step(self, part: StepBlocks) -> None:
+        """One optimiser step on this rank's part of the global batch, padded to the group's
+        passes with weight-0 micro-batches; reads nothing back to the host unless it logs or saves."""
         step = self.step = self.step + 1
         for callback in self.callbacks:
             callback.step_start(step, self.rank)
-        chunks = rank_chunks(self.rank, self.session.world_size, self.accumulation)
-        images, tokens = self._inputs(batch, step, chunks)
-        noise = [noise_generator(self.cfg.train.seed, step, chunk, self.device) for chunk in chunks]
+        images, tokens = self._inputs(part, step)
+        noise = [noise_generator(self.cfg.train.seed, step, chunk, self.device) for chunk in self._places(part)]
+        real = len(part.chunks)
         metrics = device_step(
             self.model,
             self.optimizer,
@@ -124,11 +129,12 @@ class Trainer:
             self.cfg.optim.grad_clip,
             noise,
             self.ema,
-            micro_batches=self.accumulation,
+            micro_batches=self.deal.passes,
+            weights=[self.deal.weight] * real + [0.0] * (self.deal.passes - real),
         )
         for callback in self.callbacks:
-            callback.trained(step, self.cursor.epoch, self.rank, batch)
-        self.metrics.record(step, metrics, tokens, epoch=self.cursor.epoch)
+            callback.trained(step, self.cursor.epoch, self.rank, part.tags())
+        self.metrics.record(step, metrics, tokens[: real * self.cfg.train.batch_size], epoch=self.cursor.epoch)
         if self.validator.due(step):
             self.val_loss = self.validator.loss(self.model)
             self.metrics.note_host(step, val_loss=self.val_loss)
@@ -153,14 +159,22 @@ class Trainer:
         )
         return True
 
-    def _inputs(self, batch: dict, step: int, chunks: range) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's images, each micro-batch cropped from its own chunk's seed, and tokens."""
-        pixels = batch["image"].to(self.device, non_blocking=True)
+    def _places(self, part: StepBlocks) -> list[int]:
+        """Each pass's place in the global batch; padded passes take places past its end."""
+        return [*part.chunks, *range(self.deal.blocks_per_step, self.deal.blocks_per_step + self.deal.passes)][
+            : self.deal.passes
+        ]
+
+    def _inputs(self, part: StepBlocks, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's micro-batches, each cropped from its own place's seed, then the padding."""
+        blocks = [*part.blocks, *[part.pad] * (self.deal.passes - len(part.blocks))]
         seed, kind = self.cfg.train.seed, self.cfg.data.augment
-        if kind != "none":
-            parts = zip(pixels.chunk(len(chunks)), chunks)
-            pixels = torch.cat([augment(p, kind, augment_seed(seed, step, c)) for p, c in parts])
-        return normalize(pixels), batch["tokens"].to(self.device, non_blocking=True)
+        images = []
+        for block, place in zip(blocks, self._places(part)):
+            pixels = block["image"].to(self.device, non_blocking=True)
+            images.append(augment(pixels, kind, augment_seed(seed, step, place)) if kind != "none" else pixels)
+        tokens = torch.cat([b["tokens"].to(self.device, non_blocking=True) for b in blocks])
+        return normalize(torch.cat(images)), tokens
 
     def _log_and_save(self, step: int, just_in_time: bool = False) -> None:
         logged = {**self.metrics.log(step, self.cursor.wait_s), "step": step}
