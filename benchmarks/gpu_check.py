@@ -95,8 +95,8 @@ def step_objectives(preset: str, work: Path) -> dict:
             tokens,
             cfg.objective,
             1.0,
-            torch.Generator(device()).manual_seed(2),
-            ema,
+            generator=torch.Generator(device()).manual_seed(2),
+            ema=ema,
         )
         uri = ckpt.checkpoint_dir(str(work / case), 1)
         stage = Path(tempfile.mkdtemp(dir=work))
@@ -130,7 +130,7 @@ def step_accumulation(preset: str, work: Path) -> dict:
     runs = {}
     for micro in (4, 1):
         cfg, model, optimizer, scheduler, _ = bf16_model(["objective.name=ar"], preset)
-        runs[micro] = train_step(model, optimizer, scheduler, images, tokens, cfg.objective, 1e9, None, None, micro)
+        runs[micro] = train_step(model, optimizer, scheduler, images, tokens, cfg.objective, 1e9, micro_batches=micro)
     rel = {k: abs(runs[4][k] - runs[1][k]) / abs(runs[1][k]) for k in ("loss", "grad_norm")}
     return {"ok": max(rel.values()) < 1e-2, "relative_diff": rel, "tolerance": 1e-2, "runs": runs}
 
@@ -158,7 +158,14 @@ def step_compile(preset: str, work: Path) -> dict:
     for i in range(4):
         tic = time.perf_counter()
         train_step(
-            model, optimizer, scheduler, images, tokens, cfg.objective, 1.0, torch.Generator(device()).manual_seed(i)
+            model,
+            optimizer,
+            scheduler,
+            images,
+            tokens,
+            cfg.objective,
+            1.0,
+            generator=torch.Generator(device()).manual_seed(i),
         )
         if device() == "cuda":
             torch.cuda.synchronize()
@@ -189,7 +196,9 @@ def step_syncs(preset: str, work: Path) -> dict:
                     torch.cuda.set_sync_debug_mode("warn")
                 try:
                     generator = torch.Generator(device()).manual_seed(i)
-                    device_step(model, optimizer, scheduler, images, tokens, cfg.objective, 1.0, generator, ema)
+                    device_step(
+                        model, optimizer, scheduler, images, tokens, cfg.objective, 1.0, generator=generator, ema=ema
+                    )
                 finally:
                     if cuda:
                         torch.cuda.set_sync_debug_mode("default")

@@ -212,7 +212,7 @@ class EvalConfig(_Section):
     gpus: float = Field(0.0, ge=0.0, description="GPUs set aside the same way; the evaluations then run on that GPU")
     timeout_s: float = Field(1800.0, gt=0.0, description="how long the driver waits for the last evaluations")
 
-    def due(self, step: int) -> tuple[str, ...]:
+    def evaluations_at(self, step: int) -> tuple[str, ...]:
         """The evaluations of checkpoint `step`: "probe", "compositionality", both or none."""
         every = {"probe": self.probe_every, "compositionality": self.compositionality_every}
         return tuple(name for name, n in every.items() if n and step % n == 0)

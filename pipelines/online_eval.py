@@ -2,8 +2,8 @@
 compositionality scores of the model at `eval.probe_every` / `eval.compositionality_every` steps.
 
 The training workers never wait for it. Those steps write a checkpoint with the exported weights
-(`Checkpointer`); once it is complete, rank 0 hands its location to the run's `OnlineEvaluator`
-actor (`OnlineEvaluation`, a worker callback) and trains on. The actor reads the weights into
+(`Checkpointer`); once it is complete, rank 0 hands its location to the run's `EvaluationQueueActor`
+(`EvaluationHandOver`, a worker callback) and trains on. The actor reads the weights into
 Ray's object store at once — so a checkpoint pruned later loses nothing — and starts one Ray task
 per checkpoint in the run's evaluation bundle: the `eval.cpus` / `eval.gpus` that `reserve` sets
 aside before the worker group is placed, so an evaluation never waits for training (nor for another
@@ -111,7 +111,7 @@ def _evaluate_task(cfg: RunConfig, weights: dict, step: int, which: tuple[str, .
     return {"step": step, "seconds": time.perf_counter() - tic, **metrics}
 
 
-class OnlineEvaluatorState:
+class EvaluationQueue:
     """The run's pending and finished online evaluations (one Ray actor per run, made by the driver)."""
 
     def __init__(self, cfg: RunConfig, mlflow_uri: str, run_id: str, group: PlacementGroup | None = None):
@@ -131,7 +131,9 @@ class OnlineEvaluatorState:
             num_gpus=ev.gpus,
             scheduling_strategy=self.group and PlacementGroupSchedulingStrategy(self.group, 0),
         )
-        self.pending[step] = task.remote(self.cfg, ray.put(weights), step, ev.due(step), self.mlflow_uri, self.run_id)
+        self.pending[step] = task.remote(
+            self.cfg, ray.put(weights), step, ev.evaluations_at(step), self.mlflow_uri, self.run_id
+        )
 
     def results(self, timeout_s: float) -> list[dict]:
         """Every evaluation's figures by step; one that failed or did not finish in `timeout_s`
@@ -147,10 +149,10 @@ class OnlineEvaluatorState:
         return out
 
 
-OnlineEvaluator = ray.remote(num_cpus=0)(OnlineEvaluatorState)
+EvaluationQueueActor = ray.remote(num_cpus=0)(EvaluationQueue)
 
 
-class OnlineEvaluation(Callback):
+class EvaluationHandOver(Callback):
     """Rank 0 hands each complete checkpoint that is due for evaluation to the run's evaluator
     without waiting; at the last checkpoint it waits until every hand-over is acknowledged, so
     none is lost with the worker when training ends."""
@@ -162,10 +164,10 @@ class OnlineEvaluation(Callback):
     def checkpoint(self, step: int, rank: int, at: str) -> None:
         if rank != 0 or at != "committed":
             return
-        if self.cfg.eval.due(step):
+        if self.cfg.eval.evaluations_at(step):
             self.handed.append(self.evaluator.submit.remote(step, ckpt.checkpoint_dir(self.run_dir, step)))
         if step == self.cfg.train.steps and self.handed:
-            ask(self.handed, "the run's OnlineEvaluator (the hand-over of the last checkpoints)")
+            ask(self.handed, "the run's evaluation queue (the hand-over of the last checkpoints)")
             self.handed = []
 
 

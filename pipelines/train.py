@@ -34,14 +34,12 @@ from pipelines.ingest import (
     in_order_split,
     ingest_resources,
 )
-from pipelines.online_eval import OnlineEvaluator
+from pipelines.online_eval import EvaluationQueueActor
 from pipelines.position import fingerprint
 from pipelines.runtime import absolute_paths, check_inputs
 from pipelines.worker.args import IngestActors, WorkerArgs
-from pipelines.worker.callbacks import Callback, Fault
+from pipelines.worker.callbacks import Callback
 from pipelines.worker.trainer import train_loop
-
-__all__ = ["Fault", "TrainSummary", "run_training", "storage_for"]  # Fault: the tests' fault injection
 
 
 @dataclass
@@ -68,24 +66,26 @@ def storage_for(uri: str, endpoint_url: str | None):
 
 def run_training(
     cfg: RunConfig,
-    fault: Callback | None = None,
+    *,
     parent_run_id: str | None = None,
-    callbacks: list | None = None,
+    ray_callbacks: list | None = None,
     channel=None,
-    trained_rows_dir: str | None = None,
+    callbacks: tuple[Callback, ...] = (),
 ) -> TrainSummary:
     """Driver: fails fast on bad inputs, then trains and returns where everything went.
-    `parent_run_id` nests the MLflow run under a sweep; `callbacks` go to Ray Train (e.g. Tune's).
+    `parent_run_id` nests the MLflow run under a sweep; `ray_callbacks` go to Ray Train (e.g. Tune's).
     `channel` (a progress.ProgressChannel) is given by a caller that shows several runs at once (a
     sweep); without one, the run draws its own progress display on the console.
-    `fault` (a callback: fault injection, the worker-group log) and `trained_rows_dir` (where each
-    rank writes the rows it trained on) are for tests."""
+    `callbacks` (pipelines/worker/callbacks.py: fault injection, row recording, worker-group logs)
+    go to every worker's trainer; they are for tests."""
     cfg = absolute_paths(cfg)
     check_inputs(cfg)
     own_display = channel is None
     channel = channel or progress.open_channel()
     with progress.ProgressDisplay(channel, console) if own_display else contextlib.nullcontext():
-        summary = _train(cfg, fault, parent_run_id, callbacks, channel, trained_rows_dir)
+        summary = _train(
+            cfg, parent_run_id=parent_run_id, ray_callbacks=ray_callbacks, channel=channel, callbacks=tuple(callbacks)
+        )
         log_training_report(cfg, summary, progress.Reporter(channel, cfg.name, cfg.train.steps))
         model_registry.register_training_run(
             cfg, summary.mlflow_run_id, summary.checkpoint_uri, progress.Reporter(channel, cfg.name, cfg.train.steps)
@@ -108,11 +108,11 @@ def log_training_report(cfg: RunConfig, summary: TrainSummary, reporter: progres
 
 def _train(
     cfg: RunConfig,
-    fault: Callback | None,
+    *,
     parent_run_id: str | None,
-    callbacks: list | None,
+    ray_callbacks: list | None,
     channel,
-    trained_rows_dir: str | None = None,
+    callbacks: tuple[Callback, ...],
 ) -> TrainSummary:
     data = cfg.data
     driver = progress.Reporter(channel, cfg.name, cfg.train.steps)
@@ -127,18 +127,17 @@ def _train(
         storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
         run_dir = storage.join(cfg.storage_uri if storage.is_s3(cfg.storage_uri) else storage_path, cfg.name)
         args = WorkerArgs(
-            cfg,
-            run_dir,
-            mlflow_uri,
-            run_id,
-            channel,
-            resources,
-            fingerprint(train_shards),
-            len(train_shards),
-            actors,
-            fault,
-            trained_rows_dir,
-            evaluator,
+            cfg=cfg,
+            run_dir=run_dir,
+            mlflow_uri=mlflow_uri,
+            mlflow_run_id=run_id,
+            progress=channel,
+            ingest=resources,
+            shard_list_id=fingerprint(train_shards),
+            num_shards=len(train_shards),
+            actors=actors,
+            callbacks=callbacks,
+            evaluation_queue=evaluator,
         )
         trainer = TorchTrainer(
             train_loop,
@@ -152,7 +151,7 @@ def _train(
                     max_failures=cfg.train.max_failures,
                     max_preemption_failures=cfg.train.max_preemption_failures,
                 ),
-                callbacks=callbacks,
+                callbacks=ray_callbacks,
             ),
             datasets=datasets,
             dataset_config=in_order_split(),
@@ -206,7 +205,9 @@ def _evaluator(cfg: RunConfig, mlflow_uri: str, run_id: str, evaluation):
     which runs its tasks in the `evaluation` bundle."""
     if not cfg.eval.enabled:
         return None
-    return OnlineEvaluator.options(scheduling_strategy=on_driver_node()).remote(cfg, mlflow_uri, run_id, evaluation)
+    return EvaluationQueueActor.options(scheduling_strategy=on_driver_node()).remote(
+        cfg, mlflow_uri, run_id, evaluation
+    )
 
 
 def _online_results(cfg: RunConfig, evaluator, driver: progress.Reporter) -> list[dict]:

@@ -75,7 +75,7 @@ def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str, channel)
     point = config["point"]
     cfg = build_config(apply_overrides(_copy(base), to_override_list(point)))
     cfg.name = trial_run_name(sweep, tune.get_context().get_trial_id())
-    summary = run_training(cfg, parent_run_id=parent_run_id, callbacks=[TuneReportCallback()], channel=channel)
+    summary = run_training(cfg, parent_run_id=parent_run_id, ray_callbacks=[TuneReportCallback()], channel=channel)
     model, _ = load_pretrained(summary.checkpoint_uri, endpoint_url=cfg.data.endpoint_url)
     probe = probe_shapes(model, dataset_root(cfg.data.train_uri), cfg.data.endpoint_url)
     final = {

@@ -82,7 +82,7 @@ class LocalSession:
         each = len(blocks) // self.world_size
         return iter(blocks[self.rank :: self.world_size][:each])
 
-    def val_batches(self):
+    def held_out_batches(self):
         return []
 
     def report(self, metrics):
@@ -124,14 +124,14 @@ def local_trainer(tmp_path, steps: int, log_every: int, *overrides: str, same_im
     run_id = tracking.get_or_create_run(cfg.mlflow_uri, cfg.experiment, cfg.name, {})
     events = []
     args = WorkerArgs(
-        cfg,
-        str(tmp_path / "ckpt" / cfg.name),
-        cfg.mlflow_uri,
-        run_id,
-        SimpleNamespace(push=SimpleNamespace(remote=events.append)),
-        IngestResources(1.0, 1.0, 1),
-        "shards",
-        2,
+        cfg=cfg,
+        run_dir=str(tmp_path / "ckpt" / cfg.name),
+        mlflow_uri=cfg.mlflow_uri,
+        mlflow_run_id=run_id,
+        progress=SimpleNamespace(push=SimpleNamespace(remote=events.append)),
+        ingest=IngestResources(1.0, 1.0, 1),
+        shard_list_id="shards",
+        num_shards=2,
         actors=None,
     )
     trainer = Trainer(args, session or LocalSession(steps, same_images=same_images))
@@ -211,7 +211,7 @@ def wait_until(condition: Callable[[], bool], run: Future, timeout_s: float, wha
 
 
 def rows_by_step(directory) -> dict[int, tuple[list[tuple[int, int]], dict[int, int]]]:
-    """From a run's `trained_rows_dir`: by step, the (shard, row) of every row trained at it (all
+    """From the directory a run's RowRecorder wrote: by step, the (shard, row) of every row trained at it (all
     ranks, every time the step was trained) and how many each rank trained."""
     from collections import defaultdict
     from pathlib import Path

@@ -332,7 +332,7 @@ def test_cdlm_loss_falls_when_overfitting():
     scheduler = build_scheduler(optimizer, warmup=1, total=40)
     generator = torch.Generator().manual_seed(0)
     losses = [
-        train_step(model, optimizer, scheduler, pixels, tokens, cfg.objective, 1.0, generator)["loss"]
+        train_step(model, optimizer, scheduler, pixels, tokens, cfg.objective, 1.0, generator=generator)["loss"]
         for _ in range(40)
     ]
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5

@@ -123,7 +123,8 @@ def test_the_same_rows_and_losses_on_one_worker_two_three_and_after_a_resize(ray
     micro-batches do not split over (each step one worker holds none and runs a weight-0 pass,
     pipelines/worker/deal.py): every step the same 16 rows, none twice, and the same losses but
     for float summation order (the same noise and crops for every chunk, pipelines/worker/seeds.py)."""
-    from pipelines.train import Fault, run_training
+    from pipelines.train import run_training
+    from pipelines.worker.callbacks import Fault, RowRecorder
 
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
     (one_dir / "rows").mkdir(parents=True)
@@ -131,23 +132,22 @@ def test_the_same_rows_and_losses_on_one_worker_two_three_and_after_a_resize(ray
     three_dir = tmp_path / "three"
     (three_dir / "rows").mkdir(parents=True)
     one = run_config(one_dir, "one-worker", 1)
-    summary = run_training(one, trained_rows_dir=str(one_dir / "rows"))
+    summary = run_training(one, callbacks=[RowRecorder(str(one_dir / "rows"))])
     rows_one, losses_one = rows_and_losses(one_dir, one, summary.mlflow_run_id)
 
     fault = Fault(step=3, rank=1, marker=str(two_dir / "fired"), at="committed")
     with pytest.raises(ray.train.TrainingFailedError):
         run_training(
             run_config(two_dir, "resized", 2, "train.max_failures=0"),
-            fault=fault,
-            trained_rows_dir=str(two_dir / "rows"),
+            callbacks=[fault, RowRecorder(str(two_dir / "rows"))],
         )
     assert (two_dir / "fired").exists()
     resized = run_config(two_dir, "resized", 1)
-    summary = run_training(resized, trained_rows_dir=str(two_dir / "rows"))
+    summary = run_training(resized, callbacks=[RowRecorder(str(two_dir / "rows"))])
     rows_two, losses_two = rows_and_losses(two_dir, resized, summary.mlflow_run_id)
 
     three = run_config(three_dir, "three-workers", 3, "train.cpus_per_worker=0.4")
-    summary = run_training(three, trained_rows_dir=str(three_dir / "rows"))
+    summary = run_training(three, callbacks=[RowRecorder(str(three_dir / "rows"))])
     rows_three, losses_three = rows_and_losses(three_dir, three, summary.mlflow_run_id)
 
     order = epoch_order(one)  # step s trains rows 16(s - 1) … 16s - 1 of epoch 0's one order

@@ -39,7 +39,16 @@ def dealt_steps(blocks: int, k: int, w: int) -> list[list[tuple[range, list[int]
             for b in range(blocks)
         ]
         mine = stream[rank::w][: blocks // w]
-        cursor = DataCursor(lambda epoch, m=mine: m, BatchFeed(5.0, str), None, "x", 1, 0, rank, deal)
+        cursor = DataCursor(
+            source=lambda epoch, m=mine: m,
+            feed=BatchFeed(5.0, str),
+            actors=None,
+            shard_list_id="x",
+            num_shards=1,
+            seed=0,
+            rank=rank,
+            deal=deal,
+        )
         ranks.append([(part.chunks, [int(b["id"]) for b in part.blocks]) for part in cursor.batches()])
     return ranks
 

@@ -21,7 +21,7 @@ from mdc.data.img2dataset import generated_rows, write_img2dataset_folder
 from mdc.train import checkpoint as ckpt
 from pipelines import tracking
 from pipelines.local_cluster import add_node
-from pipelines.worker.callbacks import GroupLog, group_lines
+from pipelines.worker.callbacks import GroupLog, RowRecorder, group_lines
 
 pytestmark = pytest.mark.ray
 TRAINER_NODE = {"num_cpus": 1, "resources": {"trainer": 1}}
@@ -68,8 +68,7 @@ def test_an_elastic_group_grows_when_a_node_joins_and_shrinks_when_it_goes(one_t
     run = in_background(
         run_training,
         cfg,
-        fault=GroupLog(str(logs), holds=((1, 4, 0), (2, 8, 0))),
-        trained_rows_dir=str(tmp_path / "rows"),
+        callbacks=[GroupLog(str(logs), holds=((1, 4, 0), (2, 8, 0))), RowRecorder(str(tmp_path / "rows"))],
     )
     wait_until(lambda: (logs / "held_1_4").exists(), run, 420, "the group of 1 to hold at step 4")
     added = add_node(one_trainer_node, **TRAINER_NODE)

@@ -581,7 +581,16 @@ def trained(shapes_data):
     generator = torch.Generator().manual_seed(cfg.train.seed)
     for _ in range(cfg.train.steps):
         idx = torch.randint(0, len(samples), (batch_size,), generator=generator)
-        train_step(model, optimizer, scheduler, images[idx], tokens[idx], cfg.objective, cfg.optim.grad_clip, generator)
+        train_step(
+            model,
+            optimizer,
+            scheduler,
+            images[idx],
+            tokens[idx],
+            cfg.objective,
+            cfg.optim.grad_clip,
+            generator=generator,
+        )
     return model.eval(), probe.random_init(cfg, seed=1)
 
 

@@ -27,14 +27,14 @@ STEPS, LOG_EVERY = 7, 3
 def counted_run(trainer, counter: SyncCounter) -> None:
     """`trainer.train()` under `counter`, each sync charged to the step whose batch it serves: the
     data cursor's work for a batch runs before that step's `train_step`."""
-    step_once = trainer.train_step
+    step_once = trainer.run_step
 
     def counted_step(batch):
         counter.step = trainer.step + 1
         step_once(batch)
         counter.step = trainer.step + 1  # the cursor's next batch is the next step's
 
-    trainer.train_step = counted_step
+    trainer.run_step = counted_step
     trainer.restore()
     counter.step = 1
     with counter:

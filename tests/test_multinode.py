@@ -33,7 +33,7 @@ from mdc.data.img2dataset import damage_folder, generated_rows, write_img2datase
 from mdc.train import checkpoint as ckpt
 from pipelines import tracking
 from pipelines.local_cluster import add_node
-from pipelines.worker.callbacks import GroupLog, HoldAfterJustInTime, group_lines
+from pipelines.worker.callbacks import GroupLog, HoldAfterJustInTime, RowRecorder, group_lines
 
 pytestmark = pytest.mark.ray
 SHARDS, ROWS_PER_SHARD = 12, 16
@@ -130,7 +130,7 @@ def run_logged(cfg, directory: Path, holds=()):
     (directory / "groups").mkdir(parents=True)
     (directory / "rows").mkdir()
     log = GroupLog(str(directory / "groups"), holds)
-    return run_training(cfg, fault=log, trained_rows_dir=str(directory / "rows"))
+    return run_training(cfg, callbacks=[log, RowRecorder(str(directory / "rows"))])
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def test_a_reclaim_notice_checkpoints_at_once_and_the_restart_trains_no_step_twi
     holds.mkdir()
     rows.mkdir()
     hold = HoldAfterJustInTime(str(holds), every=100)
-    run = in_background(run_training, cfg, fault=hold, trained_rows_dir=str(rows))
+    run = in_background(run_training, cfg, callbacks=[hold, RowRecorder(str(rows))])
     wait_until(lambda: any(step >= 2 for _, step, _, _ in trained_rows(rows)), run, 480, "step 2 to be trained")
     workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
     reclaimed = workers[0].node_id

@@ -24,7 +24,12 @@ def config(*overrides):
 
 def test_online_steps_are_checkpoint_steps_that_carry_the_weights():
     cfg = config("eval.probe_every=15", "eval.compositionality_every=30", "eval.data_uri=held-out")
-    assert [cfg.eval.due(s) for s in (15, 20, 30, 45)] == [("probe",), (), ("probe", "compositionality"), ("probe",)]
+    assert [cfg.eval.evaluations_at(s) for s in (15, 20, 30, 45)] == [
+        ("probe",),
+        (),
+        ("probe", "compositionality"),
+        ("probe",),
+    ]
     saver = Checkpointer.__new__(Checkpointer)
     saver.cfg = cfg
     assert [s for s in range(1, 51) if saver.due(s)] == [15, 20, 30, 40, 45, 50]
@@ -49,7 +54,7 @@ def test_rank0_hands_over_each_due_checkpoint_once_it_is_complete_and_waits_for_
     acknowledged = []
     monkeypatch.setattr(online_eval, "ask", lambda refs, what: acknowledged.append(list(refs)))
     evaluator = Recorder()
-    callback = online_eval.OnlineEvaluation(config("eval.probe_every=20", "eval.data_uri=d"), "/runs/r", evaluator)
+    callback = online_eval.EvaluationHandOver(config("eval.probe_every=20", "eval.data_uri=d"), "/runs/r", evaluator)
     for step in (20, 40):
         for rank in (0, 1):
             for at in ("shard_written", "committed"):
@@ -185,7 +190,7 @@ def test_a_run_logs_the_probe_and_compositionality_against_step_while_it_trains(
     for watcher in watchers:
         watcher.start()
     try:
-        summary = run_training(cfg, fault=HoldUntilFile(step=21, path=str(released), timeout_s=240))
+        summary = run_training(cfg, callbacks=[HoldUntilFile(step=21, path=str(released), timeout_s=240)])
     finally:
         stop.set()
         for watcher in watchers:

@@ -18,7 +18,8 @@ from mdc.data import shards, storage
 from mdc.data.shapes import write_shapes_dataset
 from mdc.train import checkpoint as ckpt
 from pipelines.runtime import ray_output_to
-from pipelines.train import Fault, run_training
+from pipelines.train import run_training
+from pipelines.worker.callbacks import Fault
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 
@@ -150,7 +151,7 @@ def test_worker_killed_after_a_checkpoint_resumes_from_it(ray_cluster, shapes_di
     record of it is lost): the restarted group resumes at 6, no step is repeated."""
     cfg = fault_config(tmp_path, "after-ckpt", shapes_dir, max_failures=1)
     cfg.data.augment = "crop"  # augmented batches go through the same resume
-    summary = run_training(cfg, fault=Fault(step=6, rank=1, marker=str(tmp_path / "fired"), at="committed"))
+    summary = run_training(cfg, callbacks=[Fault(step=6, rank=1, marker=str(tmp_path / "fired"), at="committed")])
     assert (tmp_path / "fired").exists()
     assert summary.metrics["step"] == 8
     assert [s for s, _ in metric_steps(cfg, summary.mlflow_run_id)] == list(range(1, 9))
@@ -164,7 +165,7 @@ def test_worker_killed_mid_checkpoint_resumes_from_the_previous_one(ray_cluster,
     the incomplete directory is not used, the group resumes at 3 and repeats steps 4-6 only. Each
     step accumulates 2 micro-batches of 8 per worker (global batch 32)."""
     cfg = fault_config(tmp_path, "mid-ckpt", shapes_dir, max_failures=1, global_batch_size=32)
-    summary = run_training(cfg, fault=Fault(step=6, rank=1, marker=str(tmp_path / "fired"), at="shard_written"))
+    summary = run_training(cfg, callbacks=[Fault(step=6, rank=1, marker=str(tmp_path / "fired"), at="shard_written")])
     assert (tmp_path / "fired").exists()
     assert [s for s, _ in metric_steps(cfg, summary.mlflow_run_id)] == [1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8]
     assert resumed_from(cfg, summary.mlflow_run_id) == [3]
@@ -177,7 +178,7 @@ def test_relaunch_skips_a_damaged_checkpoint(ray_cluster, shapes_dir, tmp_path):
     resumes from checkpoint 3, with exactly the weights saved there."""
     cfg = fault_config(tmp_path, "damaged", shapes_dir, max_failures=0)
     with pytest.raises(Exception, match="injected fault at step 7"):
-        run_training(cfg, fault=Fault(step=7, rank=0, marker=str(tmp_path / "fired"), kill=False))
+        run_training(cfg, callbacks=[Fault(step=7, rank=0, marker=str(tmp_path / "fired"), kill=False)])
     assert (tmp_path / "fired").read_text() == "7"  # the first launch stopped where it was told to
     run_dir = tmp_path / "ckpt" / "damaged"
     newest = run_dir / "checkpoint_00000006"

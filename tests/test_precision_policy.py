@@ -63,8 +63,8 @@ def test_bf16_policy_trains_validates_scores_writes_and_checkpoints(case, tmp_pa
         tokens,
         cfg.objective,
         cfg.optim.grad_clip,
-        torch.Generator().manual_seed(2),
-        ema,
+        generator=torch.Generator().manual_seed(2),
+        ema=ema,
     )
     assert torch.isfinite(torch.tensor([metrics["loss"], metrics["grad_norm"]])).all(), metrics
     # what the GPU keeps in float32: sharded parameters, the optimiser's moments, the EMA

@@ -155,7 +155,8 @@ def test_a_resumed_run_trains_the_rest_of_its_epoch(ray_cluster, tmp_path):
     The restarted group goes on with epoch 0 from its next row: epoch 0 trains every row exactly
     once, as epoch 1 does, and every checkpoint holds the shards consumed and the rows begun that
     the rows trained say."""
-    from pipelines.train import Fault, run_training
+    from pipelines.train import run_training
+    from pipelines.worker.callbacks import Fault, RowRecorder
 
     write_img2dataset_folder(
         generated_rows(SHARDS * ROWS_PER_SHARD, image_size=32, failed_every=0),
@@ -185,8 +186,10 @@ def test_a_resumed_run_trains_the_rest_of_its_epoch(ray_cluster, tmp_path):
     (tmp_path / "rows").mkdir()
     summary = run_training(
         cfg,
-        fault=Fault(step=3, rank=1, marker=str(tmp_path / "fired"), at="committed"),
-        trained_rows_dir=str(tmp_path / "rows"),
+        callbacks=[
+            Fault(step=3, rank=1, marker=str(tmp_path / "fired"), at="committed"),
+            RowRecorder(str(tmp_path / "rows")),
+        ],
     )
     assert (tmp_path / "fired").exists() and summary.metrics["step"] == 17
 

@@ -83,7 +83,7 @@ def test_a_chunk_gets_the_same_noise_and_crops_on_any_rank_and_split(gloo_proces
         ]
     noise = [noise_generator(0, 7, chunk, "cpu") for chunk in alone.chunks(0, 0)]
     loss = device_step(
-        model, trainer.optimizer, trainer.scheduler, images, tokens, objective, 1.0, noise, micro_batches=2
+        model, trainer.optimizer, trainer.scheduler, images, tokens, objective, 1.0, generator=noise, micro_batches=2
     )
     torch.testing.assert_close(loss["loss"], torch.stack(rank_losses).mean(), rtol=1e-6, atol=0)
 

@@ -147,7 +147,14 @@ def test_compiled_blocks_train_like_eager():
         optimizer, scheduler = optimiser_for(model)
         model.losses = [
             train_step(
-                model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0, torch.Generator().manual_seed(step)
+                model,
+                optimizer,
+                scheduler,
+                images,
+                tokens,
+                ObjectiveConfig(),
+                1.0,
+                generator=torch.Generator().manual_seed(step),
             )["loss"]
             for step in range(3)
         ]
@@ -169,7 +176,16 @@ def test_bf16_compute_keeps_optimiser_ema_and_export_in_float32():
     apply_fsdp(model, bf16=True)
     optimizer, scheduler = optimiser_for(model)
     ema = EMA(model, 0.9)
-    train_step(model, optimizer, scheduler, *batch(4), ObjectiveConfig(), 1.0, torch.Generator().manual_seed(0), ema)
+    train_step(
+        model,
+        optimizer,
+        scheduler,
+        *batch(4),
+        ObjectiveConfig(),
+        1.0,
+        generator=torch.Generator().manual_seed(0),
+        ema=ema,
+    )
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert {v.dtype for s in optimizer.state.values() for v in s.values() if v.ndim} == {torch.float32}
     assert {v.dtype for v in ema.state_dict().values()} == {torch.float32}

@@ -59,6 +59,7 @@ def train_step(
     tokens,
     objective,
     grad_clip: float,
+    *,
     generator=None,
     ema: EMA | None = None,
     micro_batches: int = 1,
@@ -67,7 +68,17 @@ def train_step(
     """`device_step` with its metrics read back as floats: for callers that look at every step
     (tests, benchmarks); each read is a host sync."""
     metrics = device_step(
-        model, optimizer, scheduler, images, tokens, objective, grad_clip, generator, ema, micro_batches, weights
+        model,
+        optimizer,
+        scheduler,
+        images,
+        tokens,
+        objective,
+        grad_clip,
+        generator=generator,
+        ema=ema,
+        micro_batches=micro_batches,
+        weights=weights,
     )
     return {k: float(as_plain(v)) for k, v in metrics.items()}
 
@@ -85,6 +96,7 @@ def device_step(
     tokens,
     objective,
     grad_clip: float,
+    *,
     generator=None,
     ema: EMA | None = None,
     micro_batches: int = 1,

@@ -10,7 +10,7 @@ from pipelines.ingest import IngestResources
 from pipelines.worker.callbacks import Callback
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class IngestActors:
     """The run's two ingest actors, which only the data cursor talks to."""
 
@@ -18,7 +18,7 @@ class IngestActors:
     epoch_plan: Any  # ingest.EpochPlanActor: the epoch the read tasks read, and what they pass over
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerArgs:
     cfg: RunConfig
     run_dir: str  # where checkpoints go: a local folder or s3://bucket/prefix
@@ -29,6 +29,5 @@ class WorkerArgs:
     shard_list_id: str  # position.fingerprint of the sorted shard list
     num_shards: int
     actors: IngestActors | None  # None: no ingest actors (a run outside Ray Data, e.g. a test)
-    fault: Callback | None = None  # tests: stop a worker once, log the worker groups
-    trained_rows_dir: str | None = None  # tests: where each rank writes the rows it trained on
-    online_evaluator: Any = None  # online_eval.OnlineEvaluator when eval.probe_every / compositionality_every
+    callbacks: tuple[Callback, ...] = ()  # tests: fault injection, row recording, worker-group logs and holds
+    evaluation_queue: Any = None  # online_eval.EvaluationQueueActor when eval.probe_every / compositionality_every

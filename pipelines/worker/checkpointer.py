@@ -34,7 +34,7 @@ class Checkpointer:
     def exports(self, step: int) -> bool:
         """Checkpoints that also carry the full weights: the last (for evaluation) and those
         evaluated online."""
-        return step == self.cfg.train.steps or bool(self.cfg.eval.due(step))
+        return step == self.cfg.train.steps or bool(self.cfg.eval.evaluations_at(step))
 
     def restore(self) -> tuple[str | None, dict | None, dict]:
         """Collective. (uri, trainer state, this rank's extra state) of the newest complete

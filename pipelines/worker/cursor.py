@@ -40,6 +40,7 @@ class DataCursor:
 
     def __init__(
         self,
+        *,
         source: Callable[[int], Iterable[dict]],
         feed: BatchFeed,
         actors: IngestActors | None,

@@ -30,7 +30,7 @@ class RaySession:
             pin_memory=tc.use_gpu,
         )
 
-    def val_batches(self) -> list[dict]:
+    def held_out_batches(self) -> list[dict]:
         if not self.cfg.data.val_uri:
             return []
         return list(

@@ -15,9 +15,8 @@ from mdc.registry import build_model
 from mdc.train.fsdp import prepare_model
 from mdc.train.step import EMA, build_optimizer, build_scheduler, device_step
 from pipelines.ingest import BatchFeed, describe_stall
-from pipelines.online_eval import OnlineEvaluation
+from pipelines.online_eval import EvaluationHandOver
 from pipelines.worker.args import WorkerArgs
-from pipelines.worker.callbacks import RowRecorder
 from pipelines.worker.checkpointer import Checkpointer
 from pipelines.worker.cursor import DataCursor, StepBlocks
 from pipelines.worker.deal import BlockDeal
@@ -57,10 +56,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim.warmup_steps, tc.steps)
         self.ema = EMA(self.model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
-        online = args.online_evaluator and OnlineEvaluation(cfg, args.run_dir, args.online_evaluator)
-        self.callbacks = [
-            c for c in (args.fault, args.trained_rows_dir and RowRecorder(args.trained_rows_dir), online) if c
-        ]
+        online = args.evaluation_queue and EvaluationHandOver(cfg, args.run_dir, args.evaluation_queue)
+        self.callbacks = [*args.callbacks, *([online] if online else [])]
         self.checkpointer = Checkpointer(
             cfg, args.run_dir, self.rank, self.model, self.optimizer, self.scheduler, self.ema, self.callbacks
         )
@@ -73,15 +70,15 @@ class Trainer:
             session.world_size * tc.cpus_per_worker,
         )
         self.cursor = DataCursor(
-            session.train_batches,
-            BatchFeed(cfg.data.stall_timeout_s, stall),
-            args.actors,
-            args.shard_list_id,
-            args.num_shards,
-            tc.seed,
-            self.rank,
-            self.deal,
-            f"global batch of {tc.global_batch} in {cfg.data.train_uri}",
+            source=session.train_batches,
+            feed=BatchFeed(cfg.data.stall_timeout_s, stall),
+            actors=args.actors,
+            shard_list_id=args.shard_list_id,
+            num_shards=args.num_shards,
+            seed=tc.seed,
+            rank=self.rank,
+            deal=self.deal,
+            what=f"global batch of {tc.global_batch} in {cfg.data.train_uri}",
         )
         sinks = (
             rank0_sinks(args.mlflow_uri, args.mlflow_run_id, args.progress, cfg.name, tc.steps)
@@ -89,7 +86,9 @@ class Trainer:
             else None
         )
         self.metrics = MetricsLogger(tc.log_every, tc.steps, session.world_size, tc.global_batch, sinks)
-        self.validator = Validator(session.val_batches(), cfg.objective, tc.val_every, tc.steps, tc.seed, self.device)
+        self.validator = Validator(
+            session.held_out_batches(), cfg.objective, tc.val_every, tc.steps, tc.seed, self.device
+        )
         self.step, self.val_loss, self.reclaimed_nodes = 0, None, set()
 
     def restore(self) -> None:
@@ -106,11 +105,11 @@ class Trainer:
     def train(self) -> None:
         while self.step < self.cfg.train.steps:
             for batch in self.cursor.batches():
-                self.train_step(batch)
+                self.run_step(batch)
                 if self.step >= self.cfg.train.steps:
                     break
 
-    def train_step(self, part: StepBlocks) -> None:
+    def run_step(self, part: StepBlocks) -> None:
         """One optimiser step on this rank's part of the global batch, padded to the group's
         passes with weight-0 micro-batches; reads nothing back to the host unless it logs or saves."""
         step = self.step = self.step + 1
@@ -127,8 +126,8 @@ class Trainer:
             tokens,
             self.cfg.objective,
             self.cfg.optim.grad_clip,
-            noise,
-            self.ema,
+            generator=noise,
+            ema=self.ema,
             micro_batches=self.deal.passes,
             weights=[self.deal.weight] * real + [0.0] * (self.deal.passes - real),
         )
