@@ -35,7 +35,7 @@ from mdc.evaluation import compositionality as comp
 from mdc.evaluation import probe as linear_probe
 from mdc.registry import OBJECTIVES
 from mdc.train.checkpoint import load_pretrained
-from pipelines import cluster, progress, reports, tracking
+from pipelines import concurrency, progress, reports, tracking
 from pipelines.train import run_training
 
 DEFAULT_OBJECTIVES = tuple(OBJECTIVES)
@@ -159,7 +159,7 @@ def train_row(cfg: RunConfig, parent: str, evaluation: tuple, workdir: Path, con
     data_uri, endpoint_url, caption_length, limit, samples = evaluation
     console.print(f"[bold]{objective}[/bold]: training {cfg.train.steps} steps")
     summary = run_training(cfg, parent_run_id=parent, channel=channel)
-    with cluster.serialized():
+    with concurrency.serialized():
         metrics = evaluate_checkpoint(
             summary.checkpoint_uri, data_uri, endpoint_url, (caption_length,), limit, samples, cfg.train.seed
         )
@@ -223,7 +223,7 @@ def run_compare(
         {"objectives": ",".join(objectives), "data": data_uri, "caption_length": caption_length, **base.model_dump()},
     )
     try:
-        n, configs = cluster.plan_concurrency(
+        n, configs = concurrency.plan_concurrency(
             {objective: compare_config(base, objective, data_uri, name) for objective in objectives}, max_concurrent
         )
         evaluation = (data_uri, endpoint_url, caption_length, limit, samples)
@@ -232,7 +232,7 @@ def run_compare(
                 objective: functools.partial(train_row, cfg, parent, evaluation, workdir, console, channel)
                 for objective, cfg in configs.items()
             }
-            rows = list(cluster.run_all(calls, n).values())
+            rows = list(concurrency.run_all(calls, n).values())
     except BaseException:
         tracking.finish_run(mlflow_uri, parent, "FAILED")
         raise

@@ -29,7 +29,8 @@ from mdc.registry import OBJECTIVES
 from mdc.train.checkpoint import load_pretrained
 from pipelines import model_registry, reports, tracking
 from pipelines.console import console
-from pipelines.runtime import create_bucket, local_s3_server, ray_session
+from pipelines.local_s3 import create_bucket, local_s3_server
+from pipelines.ray_connection import ray_session
 from pipelines.train import run_training
 
 BUCKET = "mdc-demo"

@@ -18,7 +18,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from pipelines import ray_private
-from pipelines.runtime import auth_token
+from pipelines.ray_connection import auth_token
 
 OBJECT_STORE = 200 * 1024**2  # per node: the tests' datasets are a few MB
 IDLE_WORKERS_KEPT = "64"  # RAY_num_workers_soft_limit: idle worker processes a node keeps

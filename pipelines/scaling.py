@@ -29,7 +29,7 @@ from mdc.config import RunConfig, build_config
 from mdc.data import shards, storage
 from mdc.evaluation import probe, readers
 from mdc.train.checkpoint import load_pretrained
-from pipelines import cluster, model_registry, progress, reports, tracking
+from pipelines import concurrency, model_registry, progress, reports, tracking
 from pipelines.console import UserError, console, first_line_of
 from pipelines.train import run_training
 
@@ -201,7 +201,7 @@ def train_size(cfg: RunConfig, size: int, parent: str, probe: Probe, channel=Non
     tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id=parent)
     try:
         summary = run_training(cfg, channel=channel)
-        with cluster.serialized():  # probes run here, in the driver, one at a time
+        with concurrency.serialized():  # probes run here, in the driver, one at a time
             accuracy = probe(summary.checkpoint_uri)
     except SystemError:
         raise  # how Ray passes on an interrupt (Ctrl-C, a timeout) that came while it waited: stop
@@ -247,12 +247,12 @@ def run_scaling(
                 done[size] = row
             else:
                 pending[size] = cfg
-        n, pending = cluster.plan_concurrency(pending, max_concurrent)
+        n, pending = concurrency.plan_concurrency(pending, max_concurrent)
         with progress.shared(n, console) as channel:
             calls = {
                 size: functools.partial(train_size, cfg, size, parent, probe, channel) for size, cfg in pending.items()
             }
-            outcomes = {**done, **cluster.run_all(calls, n)}
+            outcomes = {**done, **concurrency.run_all(calls, n)}
         for size in sizes:  # in size order, whatever the order of finishing
             (failures if isinstance(outcomes[size], tuple) else rows).append(outcomes[size])
         model_registry.alias_best(mlflow_uri, {r["run_name"]: r["probe_accuracy"] for r in rows})

@@ -38,7 +38,7 @@ from mdc.data.storage import join
 from mdc.data.tuxpaint import write_tuxpaint_dataset
 from mdc.evaluation import probe
 from mdc.registry import OBJECTIVES
-from pipelines import cluster, model_registry, progress, reports, tracking
+from pipelines import concurrency, model_registry, progress, reports, tracking
 from pipelines.compare import evaluate_checkpoint
 from pipelines.train import run_training
 
@@ -298,7 +298,7 @@ def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: 
     console.print(f"[bold]{cfg.name}[/bold]: training {cfg.train.steps} steps")
     summary = run_training(cfg, parent_run_id=parent, channel=channel)
     ev = plan.evaluations
-    with cluster.serialized():  # evaluations run here, in the driver, one at a time (torch's global seed)
+    with concurrency.serialized():  # evaluations run here, in the driver, one at a time (torch's global seed)
         metrics = evaluate_checkpoint(
             summary.checkpoint_uri,
             dataset_root(plan, arm, out),
@@ -455,14 +455,14 @@ def run_runs(plan: Plan, configs: dict, out: Path, parent: str, max_concurrent: 
     """Every run's result, by (arm, seed): the finished ones read back, the others trained and
     evaluated, `max_concurrent` at once (default: what the cluster's free resources fit)."""
     pending = {key: cfg for key, cfg in configs.items() if not result_path(out, cfg).is_file()}
-    n, planned = cluster.plan_concurrency(pending, max_concurrent)
+    n, planned = concurrency.plan_concurrency(pending, max_concurrent)
     configs = {**configs, **planned}
     with progress.shared(n, console) as channel:
         calls = {
             key: functools.partial(train_and_evaluate, plan, key[0], cfg, out, parent, channel)
             for key, cfg in configs.items()
         }
-        return cluster.run_all(calls, n)
+        return concurrency.run_all(calls, n)
 
 
 def run_study(plan: Plan, plan_path: Path, out: Path, max_concurrent: int | None = None) -> list[dict]:

@@ -25,7 +25,7 @@ import yaml
 from rich.console import Console
 
 from pipelines.console import first_line_of
-from pipelines.runtime import TOKEN_HELP, auth_token
+from pipelines.ray_connection import TOKEN_HELP, auth_token
 
 console = Console(stderr=True, soft_wrap=True)  # stdout carries the job's own log
 

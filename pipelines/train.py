@@ -23,7 +23,7 @@ from mdc.data import shards, storage
 from mdc.models.captioner import PRESETS
 from mdc.train import checkpoint as ckpt
 from pipelines import model_registry, online_eval, progress, reports, tracking
-from pipelines.cluster import on_driver_node
+from pipelines.concurrency import on_driver_node
 from pipelines.console import console
 from pipelines.ingest import (
     BadRecordLedgerActor,
@@ -36,7 +36,7 @@ from pipelines.ingest import (
 )
 from pipelines.online_eval import EvaluationQueueActor
 from pipelines.position import fingerprint
-from pipelines.runtime import absolute_paths, check_inputs
+from pipelines.run_inputs import absolute_paths, check_inputs
 from pipelines.worker.args import IngestActors, WorkerArgs
 from pipelines.worker.callbacks import Callback
 from pipelines.worker.trainer import train_loop

@@ -27,15 +27,15 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from mdc.config import RunConfig, apply_overrides, build_config
 from mdc.evaluation.probe import probe_shapes
 from mdc.train.checkpoint import load_pretrained
-from pipelines import cluster, model_registry, progress, reports, tracking
+from pipelines import concurrency, model_registry, progress, reports, tracking
 from pipelines.console import console, first_line_of
-from pipelines.runtime import absolute_paths
+from pipelines.run_inputs import absolute_paths
 from pipelines.search_space import SearchSpace, _copy, to_override_list
 from pipelines.train import run_training, storage_for
 
 # A trial function only drives its trainer (Ray Train places the workers): it runs on the head,
 # asking no CPU (the head of a GPU cluster often has none), where losing a worker node cannot take
-# it, nor the run's actors and evaluator that stay beside it (`cluster.on_driver_node`).
+# it, nor the run's actors and evaluator that stay beside it (`concurrency.on_driver_node`).
 TRIAL_DRIVER = {"CPU": 0, "node:__internal_head__": 0.01}
 # A trial whose driver fails anyway is run once more, and resumes from its own checkpoints.
 TRIAL_RETRIES = 1
@@ -201,10 +201,10 @@ def run_sweep(
     verbose: bool = False,
 ) -> SweepSummary:
     """The sweep, `max_concurrent` trials at once (default: as many as the cluster's free
-    resources hold, pipelines.cluster.fitting_runs); Ray Tune places them."""
+    resources hold, pipelines.concurrency.fitting_runs); Ray Tune places them."""
     base_cfg = absolute_paths(base_cfg)
     if max_concurrent is None:
-        max_concurrent = cluster.fitting_runs([base_cfg] * trial_count(space, num_samples))
+        max_concurrent = concurrency.fitting_runs([base_cfg] * trial_count(space, num_samples))
         console.print(f"{max_concurrent} trial(s) at once: what the cluster's free resources hold", highlight=False)
     mlflow_uri = tracking.absolute_tracking_uri(base_cfg.mlflow_uri)
     sweep = sweep_name(base_cfg, space)

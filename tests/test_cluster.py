@@ -238,7 +238,7 @@ def test_training_workers_are_one_per_gpu_and_fit_the_gpu_pod(where, gpu_type, s
 def test_sweep_runs_one_trial_per_gpu_node_and_the_cluster_fits_as_many_at_once(gpu_type):
     """The sweep RayJob: `mdc tune` over a shipped space, each trial on one node's GPUs, and the
     default concurrency (what fits the free resources) is one trial per GPU node."""
-    from pipelines.cluster import fitting_runs
+    from pipelines.concurrency import fitting_runs
     from pipelines.search_space import load_space
     from pipelines.tune import trial_count
 

@@ -1,4 +1,4 @@
-"""How many runs go at once (pipelines.cluster), without Ray: the count that fits free resources,
+"""How many runs go at once (pipelines.concurrency), without Ray: the count that fits free resources,
 each run's ingest share, and the bounded pool that runs them."""
 
 import threading
@@ -7,7 +7,7 @@ import time
 import pytest
 
 from mdc.config import ConfigError, derive, load_config
-from pipelines import cluster
+from pipelines import concurrency
 
 
 def config(**items):
@@ -16,59 +16,61 @@ def config(**items):
 
 def test_default_config_fits_once_on_two_cores():
     """2 workers × 0.5 CPU + one reader's CPU = 2 CPUs a run."""
-    assert cluster.run_resources(config()) == {"CPU": 2.0, "GPU": 0.0}
-    assert cluster.fitting_runs([config()] * 4, {"CPU": 2.0}) == 1
-    assert cluster.fitting_runs([config()] * 4, {"CPU": 1.0}) == 1  # never 0: one run waits for its turn
+    assert concurrency.run_resources(config()) == {"CPU": 2.0, "GPU": 0.0}
+    assert concurrency.fitting_runs([config()] * 4, {"CPU": 2.0}) == 1
+    assert concurrency.fitting_runs([config()] * 4, {"CPU": 1.0}) == 1  # never 0: one run waits for its turn
 
 
 def test_runs_fit_by_cpus_and_ingest_capped_by_how_many_there_are():
     small = config(**{"train.num_workers": 1, "train.cpus_per_worker": 0.5, "data.ingest_cpus": 0.5})
-    assert cluster.fitting_runs([small] * 4, {"CPU": 2.0}) == 2
-    assert cluster.fitting_runs([small] * 4, {"CPU": 1.99}) == 1
-    assert cluster.fitting_runs([small] * 3, {"CPU": 64.0}) == 3
-    assert cluster.fitting_runs([], {"CPU": 64.0}) == 1
+    assert concurrency.fitting_runs([small] * 4, {"CPU": 2.0}) == 2
+    assert concurrency.fitting_runs([small] * 4, {"CPU": 1.99}) == 1
+    assert concurrency.fitting_runs([small] * 3, {"CPU": 64.0}) == 3
+    assert concurrency.fitting_runs([], {"CPU": 64.0}) == 1
 
 
 def test_gpu_runs_fit_by_gpus():
     """A 64-GPU cluster holds 8 runs of 8 GPU workers, unless their CPUs run out first."""
     gpu = config(**{"train.num_workers": 8, "train.use_gpu": True, "train.cpus_per_worker": 4, "data.ingest_cpus": 16})
-    assert cluster.run_resources(gpu) == {"CPU": 48.0, "GPU": 8.0}
-    assert cluster.fitting_runs([gpu] * 30, {"CPU": 8 * 96.0, "GPU": 64.0}) == 8
-    assert cluster.fitting_runs([gpu] * 30, {"CPU": 100.0, "GPU": 64.0}) == 2
-    assert cluster.fitting_runs([gpu] * 30, {"CPU": 1000.0}) == 1  # no GPU free: one at a time, Ray waits
+    assert concurrency.run_resources(gpu) == {"CPU": 48.0, "GPU": 8.0}
+    assert concurrency.fitting_runs([gpu] * 30, {"CPU": 8 * 96.0, "GPU": 64.0}) == 8
+    assert concurrency.fitting_runs([gpu] * 30, {"CPU": 100.0, "GPU": 64.0}) == 2
+    assert concurrency.fitting_runs([gpu] * 30, {"CPU": 1000.0}) == 1  # no GPU free: one at a time, Ray waits
 
 
 def test_a_run_counts_its_online_evaluation_bundle():
     """eval.cpus / eval.gpus are held by the run's evaluation bundle for as long as it trains."""
     online = {"eval.probe_every": 10, "eval.data_uri": "held-out", "eval.cpus": 0.5}
     gpu = config(**{"train.num_workers": 8, "train.use_gpu": True, "train.cpus_per_worker": 4, "data.ingest_cpus": 16})
-    assert cluster.run_resources(derive(gpu, {**online, "eval.gpus": 1})) == {"CPU": 48.5, "GPU": 9.0}
-    assert cluster.fitting_runs([derive(gpu, {**online, "eval.gpus": 1})] * 30, {"CPU": 8 * 96.0, "GPU": 64.0}) == 7
-    assert cluster.run_resources(derive(gpu, {"eval.gpus": 1})) == {"CPU": 48.0, "GPU": 8.0}  # no online evaluation
+    assert concurrency.run_resources(derive(gpu, {**online, "eval.gpus": 1})) == {"CPU": 48.5, "GPU": 9.0}
+    assert concurrency.fitting_runs([derive(gpu, {**online, "eval.gpus": 1})] * 30, {"CPU": 8 * 96.0, "GPU": 64.0}) == 7
+    assert concurrency.run_resources(derive(gpu, {"eval.gpus": 1})) == {"CPU": 48.0, "GPU": 8.0}  # no online evaluation
     small = config(**{"train.num_workers": 1, "train.cpus_per_worker": 0.5, **online})
-    assert cluster.share_ingest(small, 2, cluster_cpus=4.0) == 1.0  # 2 a run, less 0.5 of worker and 0.5 of evaluation
+    assert (
+        concurrency.share_ingest(small, 2, cluster_cpus=4.0) == 1.0
+    )  # 2 a run, less 0.5 of worker and 0.5 of evaluation
     with pytest.raises(
         ConfigError, match=r"beside 1 × 0.5 CPUs of workers and 0.5 for online evaluation \(eval.cpus\)"
     ):
-        cluster.share_ingest(small, 2, cluster_cpus=2.0)
+        concurrency.share_ingest(small, 2, cluster_cpus=2.0)
 
 
 def test_requested_concurrency_is_bounded_by_the_runs_and_must_be_positive():
     runs = [config()] * 3
-    assert cluster.resolve_max_concurrent(2, runs) == 2
-    assert cluster.resolve_max_concurrent(10, runs) == 3
+    assert concurrency.resolve_max_concurrent(2, runs) == 2
+    assert concurrency.resolve_max_concurrent(10, runs) == 3
     with pytest.raises(ConfigError, match="--max-concurrent must be >= 1, got 0"):
-        cluster.resolve_max_concurrent(0, runs)
+        concurrency.resolve_max_concurrent(0, runs)
 
 
 def test_each_concurrent_run_gets_its_share_of_ingest():
     small = config(**{"train.num_workers": 1, "train.cpus_per_worker": 0.5})
-    assert cluster.share_ingest(small, 1, cluster_cpus=2.0) is None  # alone: what the workers leave
-    assert cluster.share_ingest(small, 2, cluster_cpus=2.0) == 0.5
-    assert cluster.share_ingest(small, 3, cluster_cpus=2.0) == 0.16
-    assert cluster.share_ingest(derive(small, {"data.ingest_cpus": 0.3}), 2, cluster_cpus=2.0) == 0.3
+    assert concurrency.share_ingest(small, 1, cluster_cpus=2.0) is None  # alone: what the workers leave
+    assert concurrency.share_ingest(small, 2, cluster_cpus=2.0) == 0.5
+    assert concurrency.share_ingest(small, 3, cluster_cpus=2.0) == 0.16
+    assert concurrency.share_ingest(derive(small, {"data.ingest_cpus": 0.3}), 2, cluster_cpus=2.0) == 0.3
     with pytest.raises(ConfigError, match=r"--max-concurrent 4: 2 CPUs shared by 4 runs leave no CPU"):
-        cluster.share_ingest(small, 4, cluster_cpus=2.0)
+        concurrency.share_ingest(small, 4, cluster_cpus=2.0)
 
 
 def test_pool_runs_at_most_n_at_once_and_keeps_the_order_given():
@@ -86,7 +88,7 @@ def test_pool_runs_at_most_n_at_once_and_keeps_the_order_given():
 
         return run
 
-    results = cluster.run_all({f"run{i}": call(i) for i in range(5)}, 2)
+    results = concurrency.run_all({f"run{i}": call(i) for i in range(5)}, 2)
     assert list(results.items()) == [(f"run{i}", i * i) for i in range(5)]
     assert most[0] == 2
 
@@ -105,12 +107,12 @@ def test_pool_raises_the_first_error_and_starts_nothing_after_it():
         return go
 
     with pytest.raises(RuntimeError, match="run 0 failed"):
-        cluster.run_all({i: run(i) for i in range(6)}, 2)
+        concurrency.run_all({i: run(i) for i in range(6)}, 2)
     assert {0, 1} <= set(started) <= {0, 1, 2}  # 1 was running; 2 may have taken 0's place before it was seen
 
 
 def test_one_at_a_time_runs_in_this_thread():
-    assert cluster.run_all({"a": threading.current_thread}, 1) == {"a": threading.main_thread()}
+    assert concurrency.run_all({"a": threading.current_thread}, 1) == {"a": threading.main_thread()}
 
 
 @pytest.mark.parametrize("command", ["study", "compare", "scaling", "tune"])
@@ -136,4 +138,4 @@ def test_a_sweep_counts_its_trials_so_its_default_concurrency_is_not_capped_at_o
     assert trial_count(load_space(spaces / "noise_schedule_random.yaml", base)) == 8
     assert trial_count(load_space(spaces / "noise_schedule_random.yaml", base), num_samples=3) == 3
     small = config(**{"train.num_workers": 1, "train.cpus_per_worker": 0.5, "data.ingest_cpus": 0.5})
-    assert cluster.fitting_runs([small] * 4, {"CPU": 4.0}) == 4
+    assert concurrency.fitting_runs([small] * 4, {"CPU": 4.0}) == 4

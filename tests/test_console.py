@@ -12,7 +12,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from mdc.config import load_config
-from pipelines import runtime
+from pipelines import ray_connection, ray_output, run_inputs
 from pipelines.cli import app
 from pipelines.console import UserError, report_failures
 from pipelines.progress import ProgressDisplay, step_line
@@ -48,7 +48,7 @@ def test_data_without_val_trains_without_the_configs_validation_split(tmp_path, 
         seen["cfg"] = cfg
         raise SystemExit(0)
 
-    monkeypatch.setattr(runtime, "ray_session", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(ray_connection, "ray_session", lambda *a, **k: contextlib.nullcontext())
     monkeypatch.setattr(pipelines.train, "run_training", stop_after_config)
     result = CliRunner().invoke(app, ["train", "--data", "train", "--storage", "ckpt", *extra])
     assert "cfg" in seen, result.output
@@ -63,7 +63,7 @@ def test_bad_config_value_names_the_field(tmp_path):
 
 def test_relative_paths_become_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = runtime.absolute_paths(
+    cfg = run_inputs.absolute_paths(
         load_config(
             None,
             [
@@ -78,7 +78,7 @@ def test_relative_paths_become_absolute(tmp_path, monkeypatch):
     assert cfg.data.val_uri == str(tmp_path / "shapes" / "val")
     assert cfg.storage_uri == str(tmp_path / "runs")
     assert cfg.mlflow_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
-    remote = runtime.absolute_paths(load_config(None, ["data.train_uri=s3://b/train", "storage_uri=s3://b/ck"]))
+    remote = run_inputs.absolute_paths(load_config(None, ["data.train_uri=s3://b/train", "storage_uri=s3://b/ck"]))
     assert (remote.data.train_uri, remote.storage_uri) == ("s3://b/train", "s3://b/ck")
 
 
@@ -89,7 +89,7 @@ def test_named_ray_address_that_does_not_answer_fails_fast(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail(f"ray.init called with {kw}"))
     address = f"127.0.0.1:{closed_port()}"
     with pytest.raises(UserError, match=f"no Ray cluster answers at {address}"):
-        runtime.connect_ray(address)
+        ray_connection.connect_ray(address)
 
 
 def test_stale_current_cluster_file_starts_a_local_instance(monkeypatch, capsys):
@@ -101,7 +101,7 @@ def test_stale_current_cluster_file_starts_a_local_instance(monkeypatch, capsys)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     stale = f"127.0.0.1:{closed_port()}"
     monkeypatch.setattr(ray._private.utils, "read_ray_address", lambda *a: stale)
-    runtime.connect_ray(num_cpus=2)
+    ray_connection.connect_ray(num_cpus=2)
     assert [c["address"] for c in calls] == ["local"]
     assert f"names {stale}, where nothing answers" in capsys.readouterr().out
 
@@ -163,12 +163,12 @@ def test_display_prints_logged_steps_notes_and_one_data_wait_warning():
 def test_a_failed_run_is_one_line_exit_1_with_its_traceback_in_the_log(tmp_path, monkeypatch):
     from pipelines.console import user_errors
 
-    monkeypatch.setattr(runtime, "connect_ray", lambda *a: None)
-    monkeypatch.setattr(runtime, "ray_output_to", lambda path: contextlib.nullcontext(path))
+    monkeypatch.setattr(ray_connection, "connect_ray", lambda *a: None)
+    monkeypatch.setattr(ray_connection, "ray_output_to", lambda path: contextlib.nullcontext(path))
     log = tmp_path / "ray.log"
     buf = io.StringIO()
     monkeypatch.setattr("pipelines.console.console", Console(file=buf, width=300))
-    with pytest.raises(typer.Exit) as stop, user_errors(), runtime.ray_session(log):
+    with pytest.raises(typer.Exit) as stop, user_errors(), ray_connection.ray_session(log):
         raise MemoryError_("8 worker(s) were killed due to the node running low on memory.\nMemory on the node ...")
     assert stop.value.exit_code == 1
     out = buf.getvalue().strip().splitlines()
@@ -188,7 +188,7 @@ def test_ray_output_goes_to_the_log_and_mdc_lines_to_the_console_once(tmp_path, 
     import ray._private.worker as ray_worker
 
     log = tmp_path / "run" / "ray.log"
-    with runtime.ray_output_to(log):
+    with ray_output.ray_output_to(log):
         ray_worker.print_to_stdstream(
             {"pid": "raylet", "is_err": False, "lines": ["WARNING: 8 PYTHON worker processes have been started"]},
             ignore_prefix=False,

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from pipelines import cluster, tracking
+from pipelines import concurrency, tracking
 from pipelines.study import CLAIM_FIELDS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ def test_ctrl_c_in_run_all_returns_at_once_cancels_what_has_not_started_and_kill
     tic = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
-            cluster.run_all({key: lambda key=key: blocking(key) for key in "abc"}, max_concurrent=2)
+            concurrency.run_all({key: lambda key=key: blocking(key) for key in "abc"}, max_concurrent=2)
     finally:
         signal.signal(signal.SIGINT, previous)
         release.set()

@@ -17,7 +17,7 @@ from mdc.config import load_config
 from mdc.data import shards, storage
 from mdc.data.shapes import write_shapes_dataset
 from mdc.train import checkpoint as ckpt
-from pipelines.runtime import ray_output_to
+from pipelines.ray_output import ray_output_to
 from pipelines.train import run_training
 from pipelines.worker.callbacks import Fault
 

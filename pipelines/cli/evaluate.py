@@ -4,7 +4,7 @@ zero-shot classification, compositionality, captions, caption infilling.
 Every command writes a JSON result (--out) and logs its metrics, the JSON and any page it wrote to
 MLflow (pipelines/tracking.py): into the training run with --run-id, else into a new run of the
 experiment `mdc-eval`. Probe features of large datasets (at least --ray-threshold images) come from
-Ray Data batch inference (pipelines/evaluate.py).
+Ray Data batch inference (pipelines/feature_extraction.py).
 
 A checkpoint may also be a registered version, `models:/NAME/VERSION` or `models:/NAME@ALIAS`
 (its captioner); `probe` and `compositionality` take `--encoder timm:NAME|local-dir:DIR` to measure
@@ -156,7 +156,7 @@ def probe_command(
 
 def checkpoint_extractors(checkpoint: str, endpoint_url, device: str, mlflow_uri: str, baseline: bool, common: dict):
     """(features of the checkpoint's encoder, of the same architecture at random init or None)."""
-    from pipelines.evaluate import Extractor, checkpoint_model, random_init_model  # Ray: seconds to import
+    from pipelines.feature_extraction import Extractor, checkpoint_model, random_init_model  # Ray: seconds to import
 
     model, cfg, directory = load(checkpoint, endpoint_url, device, mlflow_uri)
     cached = common["cache_dir"] is not None
@@ -175,7 +175,7 @@ def checkpoint_extractors(checkpoint: str, endpoint_url, device: str, mlflow_uri
 def encoder_extractors(spec: str, device: str, baseline: bool, common: dict):
     """(features of a timm encoder, of its architecture at random init or None): a timm:NAME is
     itself at random init, so it has no baseline of its own."""
-    from pipelines.evaluate import Extractor  # Ray: seconds to import
+    from pipelines.feature_extraction import Extractor  # Ray: seconds to import
 
     model = export.load_encoder(spec, device)
     if spec.startswith("local-dir:"):

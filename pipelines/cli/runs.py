@@ -17,7 +17,7 @@ from rich.table import Table
 from mdc.config import DEFAULT_CONFIG, derive, load_config
 from mdc.data import storage
 from mdc.registry import OBJECTIVES
-from pipelines import runtime
+from pipelines import ray_connection, ray_output, run_inputs
 from pipelines.console import VERBOSE_OPTION, Settings, console, report_failures, user_errors
 from pipelines.search_space import load_space
 
@@ -56,11 +56,11 @@ def train(
         if value is not None:
             overrides.append(f"{key}={value}")
     with user_errors():
-        cfg = runtime.absolute_paths(load_config(config, overrides))
-        runtime.check_inputs(cfg)
+        cfg = run_inputs.absolute_paths(load_config(config, overrides))
+        run_inputs.check_inputs(cfg)
         from pipelines.train import run_training  # the Ray program: seconds to import, so after the checks
 
-        with runtime.ray_session(runtime.run_log_path(cfg), address, verbose):
+        with ray_connection.ray_session(ray_output.run_log_path(cfg), address, verbose):
             summary = run_training(cfg)
     console.print(
         f"[green]done[/green] {summary.run_name}: loss {summary.metrics.get('loss', float('nan')):.4f}, "
@@ -83,12 +83,12 @@ def tune(
     arguments are `section.key=value` overrides of the base config."""
     Settings.verbose = verbose
     with user_errors():
-        base = runtime.absolute_paths(load_config(config, list(ctx.args)))
+        base = run_inputs.absolute_paths(load_config(config, list(ctx.args)))
         search_space = load_space(space, base)
-        runtime.check_inputs(base)
+        run_inputs.check_inputs(base)
         from pipelines.tune import run_sweep, sweep_folder  # the Ray program: seconds to import, so after the checks
 
-        with runtime.ray_session(sweep_folder(base, search_space) / "ray.log", address, verbose):
+        with ray_connection.ray_session(sweep_folder(base, search_space) / "ray.log", address, verbose):
             summary = run_sweep(search_space, base, samples, max_concurrent)
     report_failures("trial", len(summary.rows), summary.failures)
     console.print(
@@ -140,12 +140,12 @@ def compare(
         for objective in names:  # every objective's config must be valid before anything trains
             derive(base, {"objective.name": objective})
         if data:
-            data = runtime.absolute_uri(data)
+            data = run_inputs.absolute_uri(data)
             storage.check_reachable(storage.join(data, "train"), base.data.endpoint_url)
         workdir = workdir.resolve()
         from pipelines.compare import run_compare  # the Ray program: seconds to import, so after the checks
 
-        with runtime.ray_session(workdir / "ray.log", address, verbose):
+        with ray_connection.ray_session(workdir / "ray.log", address, verbose):
             run_compare(
                 names,
                 workdir,
@@ -188,23 +188,23 @@ def scaling(
 
     Settings.verbose = verbose
     with user_errors():
-        data = runtime.absolute_uri(data)
+        data = run_inputs.absolute_uri(data)
         overrides = [f"data.train_uri={data}"]
         overrides += [f"{k}={v}" for k, v in {"storage_uri": storage_uri, "mlflow_uri": mlflow_uri}.items() if v]
-        base = runtime.absolute_paths(load_config(config, overrides + list(ctx.args)))
+        base = run_inputs.absolute_paths(load_config(config, overrides + list(ctx.args)))
         size_list = experiment.parse_sizes(sizes)
         manifest_uri, manifest = experiment.read_dataset_manifest(experiment.parent_uri(data), base.data.endpoint_url)
         total = total or experiment.split_total(data, manifest_uri, manifest, base.data.endpoint_url)
         for size in size_list:
             experiment.subset_fraction(size, total)
-        probe_root = runtime.absolute_uri(probe_data) or experiment.parent_uri(data)
+        probe_root = run_inputs.absolute_uri(probe_data) or experiment.parent_uri(data)
         probe = experiment.Probe(probe_dataset, probe_root, base.data.endpoint_url)
         probe.check()
         if "val" in manifest.get("splits", {}) and not any(arg.startswith("data.val_uri=") for arg in ctx.args):
             base = derive(base, {"data.val_uri": storage.join(experiment.parent_uri(data), "val")})
-        runtime.check_inputs(base)
+        run_inputs.check_inputs(base)
         log = (Path(base.storage_uri) if "://" not in base.storage_uri else Path("mdc-logs")).resolve() / name
-        with runtime.ray_session(log / "ray.log", address, verbose):
+        with ray_connection.ray_session(log / "ray.log", address, verbose):
             rows, failures = experiment.run_scaling(base, size_list, total, name, probe, max_concurrent)
     report_failures("size", len(size_list), failures)
 
@@ -245,7 +245,7 @@ def study(
         directory = (out or Path("runs") / f"study-{parsed.name}").resolve()
         studies.run_configs(parsed, plan, directory)
         studies.check_data(parsed)
-        with runtime.ray_session(directory / "ray.log", address, verbose):
+        with ray_connection.ray_session(directory / "ray.log", address, verbose):
             claims = studies.run_study(parsed, plan, directory, max_concurrent)
     print_claims(claims)
     console.print(f"report: {directory / 'results.md'}, {directory / 'study.json'}, {directory / 'claims.png'}")

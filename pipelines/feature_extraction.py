@@ -12,7 +12,7 @@ import ray
 
 from mdc.evaluation import probe, readers
 from mdc.train.checkpoint import load_pretrained
-from pipelines.runtime import connect_ray
+from pipelines.ray_connection import connect_ray
 
 
 class FeatureActor:

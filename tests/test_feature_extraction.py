@@ -16,7 +16,7 @@ from mdc.evaluation import probe, readers
 from mdc.train.checkpoint import CONFIG, WEIGHTS, export_weights, load_pretrained
 from pipelines import tracking
 from pipelines.cli import app
-from pipelines.evaluate import Extractor, checkpoint_model
+from pipelines.feature_extraction import Extractor, checkpoint_model
 from pipelines.tracking import EVAL_EXPERIMENT
 
 
