@@ -6,7 +6,7 @@ from by every other. Code that draws where no `generator=` argument reaches (tim
 weight initialisers, torchvision's crop parameters) runs inside `drawing_from(generator)`: a
 dispatch mode, which is thread-local, hands `generator` to every random op of this thread, so a
 model built from seed s has the same weights whatever other threads do meanwhile — and the same
-weights as after `torch.manual_seed(s)` (the same Mersenne Twister, started from the same seed).
+weights as seeding the process-wide generator with s would give (the same Mersenne Twister, from the same seed).
 """
 
 from __future__ import annotations
