@@ -1,6 +1,6 @@
 """How long a checkpoint stalls training: the longest step (the training step plus, on checkpoint
 steps, what the save keeps the training thread waiting for) with synchronous checkpoints and with
-`train.async_checkpoint`, in one run, saving to an S3 server (moto, in this process).
+`checkpoint.background`, in one run, saving to an S3 server (moto, in this process).
 
     python -m benchmarks.checkpoint_stall [--preset tiny --steps 12 --every 4]
 """
@@ -69,7 +69,7 @@ def main() -> None:
                     "train.steps=100000",
                     "train.batch_size=32",
                     "data.max_length=32",
-                    f"train.async_checkpoint={mode == 'async'}",
+                    f"checkpoint.background={mode == 'async'}",
                     f"data.endpoint_url={endpoint}",
                     "data.val_uri=null",
                 ],

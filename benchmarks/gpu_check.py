@@ -226,10 +226,10 @@ def real_path_commands(dry: bool, work: Path) -> list[list[str]]:
     mdc = [sys.executable, "-m", "pipelines.cli"]
     common = ["--data", str(work / "shapes/train"), "--val", str(work / "shapes/val"), "--storage", str(work / "ckpt")]
     common += ["--mlflow-uri", f"sqlite:///{work / 'mlflow.db'}", "--name", "gpu-check", "--verbose"]
-    common += ["train.compile=true", "train.activation_checkpointing=true", "train.async_checkpoint=true"]
+    common += ["compute.compile=true", "compute.activation_checkpointing=true", "checkpoint.background=true"]
     common += ["optim.ema_decay=0.999", *[f"train.{k}={every}" for k in ("checkpoint_every", "log_every", "val_every")]]
     if dry:
-        common += ["--num-workers", "1", "train.cpus_per_worker=1", "train.batch_size=8", "--no-use-gpu"]
+        common += ["--num-workers", "1", "workers.cpus=1", "train.batch_size=8", "--no-use-gpu"]
     else:
         common += ["--num-workers", "1", "--use-gpu", "train.batch_size=64", "model.preset=vit_b16"]
     return [

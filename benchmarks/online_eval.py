@@ -33,7 +33,7 @@ def run(root: Path, name: str, steps: int, every: int | None) -> dict:
         "data.val_uri=null",
         f"train.steps={steps}",
         "train.log_every=10",
-        f"train.checkpoint_every={steps}",
+        f"checkpoint.every={steps}",
     ]
     if every:
         overrides += [f"eval.probe_every={every}", f"eval.data_uri={root / 'shapes'}"]

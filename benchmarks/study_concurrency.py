@@ -38,10 +38,10 @@ def one_worker_runs(path: Path, name: str, steps: int, images: int, log_every: i
             "data.ingest_cpus": 0.5,  # half a CPU of ingest each: two runs fit two 1-CPU nodes
             "train.steps": steps,
             "train.batch_size": 8,
-            "train.num_workers": 1,
-            "train.cpus_per_worker": 0.5,
+            "workers.count": 1,
+            "workers.cpus": 0.5,
             "train.log_every": log_every,
-            "train.checkpoint_every": steps,
+            "checkpoint.every": steps,
             "optim.warmup_steps": 1,
         },
         "arms": {"mdc": {"objective.name": "mdc"}, "cmlm": {"objective.name": "cmlm"}},

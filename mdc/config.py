@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, model_validator
 
 from mdc.registry import MASKED_OBJECTIVES, OBJECTIVES
 
@@ -34,7 +34,9 @@ class ModelConfig(_Section):
     encoder_pos_embed: Literal["sincos2d", "learned"] = Field(
         "sincos2d", description="ViT positions: fixed 2D sin-cos (Big Vision, MAE) or timm's learned table"
     )
-    time_conditioning: bool = False
+    time_conditioning: bool | None = Field(
+        None, description="the denoiser reads the noise level t; unset: as the objective needs (cdlm on, others off)"
+    )
     concentrated_attention: bool = False
     predict_length: bool = Field(False, description="DDCap: caption-length head; masked objectives only")
 
@@ -101,6 +103,8 @@ class OptimConfig(_Section):
 
 
 class TrainConfig(_Section):
+    """The step loop: how long, how big a batch, from which seed, how often it logs."""
+
     steps: int = Field(600, ge=1)
     batch_size: int = Field(16, ge=1, description="per worker and micro-batch")
     global_batch_size: int | None = Field(
@@ -110,85 +114,81 @@ class TrainConfig(_Section):
         "into micro-batches of batch_size over the workers (gradient accumulation; an uneven split pads the "
         "short shares with weight-0 passes); default batch_size × the most workers",
     )
-    activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward")
-    compile: bool = Field(False, description="torch.compile each transformer block")
     seed: int = 0
-    checkpoint_every: int = Field(200, ge=1)
-    keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept in storage, newest first")
-    async_checkpoint: bool = Field(
+    log_every: int = Field(20, ge=1)
+
+
+class CheckpointConfig(_Section):
+    """The checkpointer (pipelines/worker/checkpointer.py): when it saves, how many it keeps, how."""
+
+    every: int = Field(200, ge=1, description="steps between checkpoints; the last step is always saved")
+    keep: int = Field(3, ge=1, description="complete checkpoints kept in storage, newest first")
+    background: bool = Field(
         False, description="copy checkpoints to storage and commit them in a background thread while training goes on"
     )
-    log_every: int = Field(20, ge=1)
-    val_every: int = Field(200, ge=1)
-    val_batches: int = Field(4, ge=1)
-    num_workers: int | tuple[int, int] = Field(
+
+
+class ValidationConfig(_Section):
+    """The held-out loss (pipelines/worker/validator.py): every N steps on the same seeded batches."""
+
+    every: int = Field(200, ge=1)
+    batches: int = Field(4, ge=1, description="held-out batches of train.batch_size per validation")
+
+
+class WorkersConfig(_Section):
+    """Ray Train's worker group: how many, where, with what, and how often it may restart."""
+
+    count: int | tuple[int, int] = Field(
         2,
         description="training workers: N, or [MIN, MAX] for elastic training (Ray Train starts once MIN fit, "
         "shrinks when a node goes, grows when nodes join; the global batch stays the same)",
     )
-    elastic_resize_monitor_interval_s: float = Field(
+    resize_check_s: float = Field(
         60.0, ge=0.0, description="elastic training: how often Ray Train looks for room to grow the group"
     )
-    use_gpu: bool = False
-    cpus_per_worker: float = Field(0.5, gt=0.0)
-    resources_per_worker: dict[str, float] = Field(
+    use_gpu: bool = Field(False, description="one GPU a worker: NCCL and bf16 (else gloo and float32 on CPU)")
+    cpus: float = Field(0.5, gt=0.0, description="logical CPUs a worker")
+    resources: dict[str, float] = Field(
         {}, description="custom Ray resources each worker needs beside CPU/GPU, e.g. {spot_gpu_slot: 1}"
+    )
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="how Ray places the workers on nodes: PACK fills few nodes, SPREAD one worker a node"
     )
     max_failures: int = Field(2, ge=-1, description="worker-group restarts from the last checkpoint")
     max_preemption_failures: int = Field(
         -1, ge=-1, description="restarts after a node's reclaim notice (spot), apart from max_failures; -1: no limit"
     )
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="how Ray places the workers on nodes: PACK fills few nodes, SPREAD one worker a node"
-    )
 
-    @field_validator("num_workers", mode="after")
-    @classmethod
-    def _one_size_is_fixed(cls, value: int | tuple[int, int]) -> int | tuple[int, int]:
-        return value[0] if isinstance(value, tuple) and value[0] == value[1] else value  # [8, 8] is 8
-
-    @field_serializer("num_workers")
-    def _workers_as_yaml(self, value: int | tuple[int, int]) -> int | list[int]:
+    @field_serializer("count")
+    def _count_as_yaml(self, value: int | tuple[int, int]) -> int | list[int]:
         return value if isinstance(value, int) else list(value)  # YAML and MLflow take lists, not tuples
 
     @model_validator(mode="after")
-    def _workers_and_global_batch(self) -> TrainConfig:
-        low, high = self.min_workers, self.max_workers
-        if low < 1 or low > high:
+    def _a_range(self) -> WorkersConfig:
+        if self.min < 1 or self.min > self.max:
             raise ValueError(
-                "num_workers must be N >= 1 or [MIN, MAX] with 1 <= MIN <= MAX, "
-                f"got {self._workers_as_yaml(self.num_workers)}"
-            )
-        if self.global_batch % self.batch_size:
-            raise ValueError(
-                f"global_batch_size {self.global_batch} is not a multiple of batch_size {self.batch_size}: "
-                "a step is a whole number of micro-batches"
+                f"workers.count must be N >= 1 or [MIN, MAX] with 1 <= MIN <= MAX, got {self._count_as_yaml(self.count)}"
             )
         return self
 
     @property
     def elastic(self) -> bool:
-        return not isinstance(self.num_workers, int)
+        return self.min < self.max  # [8, 8] is a fixed group of 8
 
     @property
-    def min_workers(self) -> int:
-        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+    def min(self) -> int:
+        return self.count if isinstance(self.count, int) else self.count[0]
 
     @property
-    def max_workers(self) -> int:
-        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+    def max(self) -> int:
+        return self.count if isinstance(self.count, int) else self.count[1]
 
-    @property
-    def global_batch(self) -> int:
-        """Pairs per optimiser step, whatever the number of workers."""
-        return self.global_batch_size or self.batch_size * self.max_workers
 
-    @property
-    def micro_batches_per_step(self) -> int:
-        """The global batch's micro-batches, dealt to however many workers train
-        (pipelines/worker/deal.py): any group size keeps the global batch, one that does not
-        divide this pads the short shares."""
-        return self.global_batch // self.batch_size
+class ComputeConfig(_Section):
+    """How each worker runs the model (mdc/train/fsdp.py prepare_model)."""
+
+    compile: bool = Field(False, description="torch.compile each transformer block")
+    activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward")
 
 
 class EvalConfig(_Section):
@@ -233,22 +233,20 @@ class RunConfig(_Section):
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    validation: ValidationConfig = ValidationConfig()
+    workers: WorkersConfig = WorkersConfig()
+    compute: ComputeConfig = ComputeConfig()
     eval: EvalConfig = EvalConfig()
 
-    @model_validator(mode="before")
-    @classmethod
-    def _time_for_the_objective(cls, raw):
-        """A continuous denoiser must know its noise level: its objective turns time conditioning
-        on in the input, before validation, so no validator changes a validated config."""
-        if not isinstance(raw, dict):
-            return raw
-        objective = raw.get("objective", {})
-        name = objective.get("name", "mdc") if isinstance(objective, dict) else getattr(objective, "name", "mdc")
-        if name in OBJECTIVES and OBJECTIVES[name].time == "required":
-            model = raw.get("model", {})
-            model = model.model_dump() if isinstance(model, BaseModel) else dict(model)
-            raw = {**raw, "model": {**model, "time_conditioning": True}}
-        return raw
+    @model_validator(mode="after")
+    def _global_batch_in_micro_batches(self) -> RunConfig:
+        if self.global_batch % self.train.batch_size:
+            raise ValueError(
+                f"train.global_batch_size {self.global_batch} is not a multiple of train.batch_size "
+                f"{self.train.batch_size}: a step is a whole number of micro-batches"
+            )
+        return self
 
     @model_validator(mode="after")
     def _online_evaluation(self) -> RunConfig:
@@ -260,12 +258,65 @@ class RunConfig(_Section):
     def _objective_needs(self) -> RunConfig:
         if self.model.predict_length and self.objective.name not in MASKED_OBJECTIVES:
             raise ValueError(f"model.predict_length applies to {MASKED_OBJECTIVES}, not {self.objective.name!r}")
-        if self.model.time_conditioning and OBJECTIVES[self.objective.name].time == "never":
+        need = OBJECTIVES[self.objective.name].time
+        if self.model.time_conditioning and need == "never":
             raise ValueError(
                 f"model.time_conditioning=true needs a noise level t, which {self.objective.name!r} "
                 "has not; set it false for autoregressive objectives"
             )
+        if self.model.time_conditioning is False and need == "required":
+            raise ValueError(
+                f"model.time_conditioning=false: {self.objective.name!r} denoises at a noise level t it must "
+                "read; set model.time_conditioning=true or leave it unset"
+            )
         return self
+
+    @property
+    def time_conditioned(self) -> bool:
+        """Whether the denoiser reads t: as set, else as the objective needs."""
+        if self.model.time_conditioning is not None:
+            return self.model.time_conditioning
+        return OBJECTIVES[self.objective.name].time == "required"
+
+    @property
+    def global_batch(self) -> int:
+        """Pairs per optimiser step, whatever the number of workers."""
+        return self.train.global_batch_size or self.train.batch_size * self.workers.max
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """The global batch's micro-batches, dealt to however many workers train
+        (pipelines/worker/deal.py): any group size keeps the global batch, one that does not
+        divide this pads the short shares."""
+        return self.global_batch // self.train.batch_size
+
+
+# Field paths that moved when `train` was split into a section per component: a config or an
+# override that still names one fails with the new path.
+MOVED = {
+    "train.checkpoint_every": "checkpoint.every",
+    "train.keep_checkpoints": "checkpoint.keep",
+    "train.async_checkpoint": "checkpoint.background",
+    "train.val_every": "validation.every",
+    "train.val_batches": "validation.batches",
+    "train.num_workers": "workers.count",
+    "train.elastic_resize_monitor_interval_s": "workers.resize_check_s",
+    "train.use_gpu": "workers.use_gpu",
+    "train.cpus_per_worker": "workers.cpus",
+    "train.resources_per_worker": "workers.resources",
+    "train.placement_strategy": "workers.placement",
+    "train.max_failures": "workers.max_failures",
+    "train.max_preemption_failures": "workers.max_preemption_failures",
+    "train.compile": "compute.compile",
+    "train.activation_checkpointing": "compute.activation_checkpointing",
+}
+
+
+def _refuse_moved(raw: dict, source: str) -> None:
+    for old, new in MOVED.items():
+        section, field = old.split(".")
+        if isinstance(raw.get(section), dict) and field in raw[section]:
+            raise ConfigError(f"invalid config {source}: {old} is now {new}")
 
 
 def _parse_value(text: str):
@@ -304,6 +355,7 @@ def _explain(err: ValidationError, source: str) -> ConfigError:
 
 
 def build_config(raw: dict, source: str = "<dict>") -> RunConfig:
+    _refuse_moved(raw, source)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as err:

@@ -130,7 +130,7 @@ def model_card(cfg: RunConfig, encoder: nn.Module, facts: dict) -> str:
         f"- objective: `{cfg.objective.name}` (decoder: {cfg.model.decoder_layers or PRESETS[cfg.model.preset].decoder_layers} layers, "
         f"captions of at most {cfg.data.max_length} tokens)",
         f"- data: `{cfg.data.train_uri}`",
-        f"- steps: {cfg.train.steps} at a global batch of {cfg.train.global_batch}",
+        f"- steps: {cfg.train.steps} at a global batch of {cfg.global_batch}",
     ]
     if facts:
         lines += ["", "## Figures and provenance", "", "| what | value |", "| --- | --- |"]

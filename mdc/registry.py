@@ -46,7 +46,7 @@ def _captioner(cls: type[Captioner]) -> Callable[..., nn.Module]:
             max_length=cfg.data.max_length,
             image_size=m.image_size,
             decoder_layers=m.decoder_layers,
-            time_conditioning=m.time_conditioning,
+            time_conditioning=cfg.time_conditioned,
             concentrated_attention=m.concentrated_attention,
             predict_length=m.predict_length,
             null_image=cfg.objective.image_free_prob > 0,

@@ -2,7 +2,7 @@
 helpers live.
 
 - `fitting_runs`: as many runs at once as the cluster's free CPUs and GPUs hold, each run needing
-  its training workers (num_workers × cpus_per_worker, and a GPU each with use_gpu), its ingest
+  its training workers (workers.count × workers.cpus, and a GPU each with workers.use_gpu), its ingest
   CPUs (data.ingest_cpus, else one reader's CPU) and its online evaluation's bundle (eval.cpus,
   eval.gpus). A 2-core machine with the default config fits 1.
 - `run_all`: calls the runs' functions, at most N at once, each in its own driver thread; every
@@ -46,12 +46,12 @@ def on_driver_node() -> NodeAffinitySchedulingStrategy:
 def run_resources(cfg: RunConfig) -> dict[str, float]:
     """What one run holds while it trains: CPUs for its workers, its ingest and its online
     evaluation's bundle, GPUs for its workers and that bundle."""
-    train, evaluation = cfg.train, online_eval.bundle(cfg)
+    workers, evaluation = cfg.workers, online_eval.bundle(cfg)
     ingest = cfg.data.ingest_cpus if cfg.data.ingest_cpus is not None else READER_CPUS
-    workers = train.max_workers  # an elastic run grows to its largest group when it can
+    largest = workers.max  # an elastic run grows to its largest group when it can
     return {
-        "CPU": workers * train.cpus_per_worker + ingest + evaluation.get("CPU", 0.0),
-        "GPU": workers * train.use_gpu + evaluation.get("GPU", 0.0),
+        "CPU": largest * workers.cpus + ingest + evaluation.get("CPU", 0.0),
+        "GPU": largest * workers.use_gpu + evaluation.get("GPU", 0.0),
     }
 
 
@@ -86,12 +86,12 @@ def share_ingest(cfg: RunConfig, max_concurrent: int, cluster_cpus: float | None
         return cfg.data.ingest_cpus
     cpus = ray.cluster_resources().get("CPU", 0.0) if cluster_cpus is None else cluster_cpus
     evaluation = online_eval.bundle(cfg).get("CPU", 0.0)
-    left = cpus / max_concurrent - cfg.train.max_workers * cfg.train.cpus_per_worker - evaluation
+    left = cpus / max_concurrent - cfg.workers.max * cfg.workers.cpus - evaluation
     if left < 0.01:
         beside = f" and {evaluation:g} for online evaluation (eval.cpus)" if evaluation else ""
         raise ConfigError(
             f"--max-concurrent {max_concurrent}: {cpus:g} CPUs shared by {max_concurrent} runs leave no CPU for "
-            f"data ingest beside {cfg.train.max_workers} × {cfg.train.cpus_per_worker:g} CPUs of workers{beside}; "
+            f"data ingest beside {cfg.workers.max} × {cfg.workers.cpus:g} CPUs of workers{beside}; "
             "run fewer at once, or set data.ingest_cpus"
         )
     return math.floor(left * 100) / 100

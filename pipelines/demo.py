@@ -211,7 +211,7 @@ def write_report(workdir: Path, cfg, result, evaluation: dict, images, captions:
     curves = reports.curves_png(
         tracking.metric_history(tracking_uri, result.mlflow_run_id, reports.CURVES),
         workdir / "curves.png",
-        f"{cfg.name}: {cfg.train.steps} steps, global batch {cfg.train.global_batch}",
+        f"{cfg.name}: {cfg.train.steps} steps, global batch {cfg.global_batch}",
     )
     online = tracking.metric_history(tracking_uri, result.mlflow_run_id, reports.ONLINE_CURVES)
     sections = [("Training", reports.image_html(curves, "training and validation loss"))]

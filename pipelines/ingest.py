@@ -78,7 +78,7 @@ def ingest_resources(
         evaluation = f" and online evaluation {eval_cpus:g} (eval.cpus)" if eval_cpus else ""
         raise ConfigError(
             f"no CPU left for data ingest: the cluster has {cluster_cpus:g} CPUs and the training workers "
-            f"hold {training_cpus:g}{evaluation}; lower train.cpus_per_worker or set data.ingest_cpus"
+            f"hold {training_cpus:g}{evaluation}; lower workers.cpus or set data.ingest_cpus"
         )
     usable = budget - held_cpus if budget - held_cpus >= 0.01 else budget  # a holder about to leave waits
     readers = max(1, int(usable + 1e-9))

@@ -151,7 +151,7 @@ def size_config(base: RunConfig, name: str, size: int, total: int) -> RunConfig:
 
 
 def pairs_seen(cfg: RunConfig) -> int:
-    return cfg.train.steps * cfg.train.global_batch
+    return cfg.train.steps * cfg.global_batch
 
 
 def write_report(rows: list[dict], directory: Path, title: str) -> list[Path]:

@@ -18,7 +18,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from mdc.config import RunConfig, TrainConfig
+from mdc.config import RunConfig, WorkersConfig
 from mdc.data import shards, storage
 from mdc.models.captioner import PRESETS
 from mdc.train import checkpoint as ckpt
@@ -116,7 +116,7 @@ def _train(
 ) -> TrainSummary:
     data = cfg.data
     driver = progress.Reporter(channel, cfg.name, cfg.train.steps)
-    driver.note(f"preparing data ({data.train_uri}) and {workers_text(cfg.train)} training workers")
+    driver.note(f"preparing data ({data.train_uri}) and {workers_text(cfg.workers)} training workers")
     mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
     run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id)
     actors = _run_actors()
@@ -142,20 +142,20 @@ def _train(
         trainer = TorchTrainer(
             train_loop,
             train_loop_config={"args": args},
-            scaling_config=scaling_config(cfg.train),
+            scaling_config=scaling_config(cfg.workers),
             run_config=ray.train.RunConfig(
                 name=cfg.name,
                 storage_path=storage_path,
                 storage_filesystem=filesystem,
                 failure_config=ray.train.FailureConfig(
-                    max_failures=cfg.train.max_failures,
-                    max_preemption_failures=cfg.train.max_preemption_failures,
+                    max_failures=cfg.workers.max_failures,
+                    max_preemption_failures=cfg.workers.max_preemption_failures,
                 ),
                 callbacks=ray_callbacks,
             ),
             datasets=datasets,
             dataset_config=in_order_split(),
-            torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
+            torch_config=TorchConfig(backend="nccl" if cfg.workers.use_gpu else "gloo"),
         )
         try:
             trainer.fit()
@@ -171,23 +171,23 @@ def _train(
         return _finish(cfg, mlflow_uri, run_id, run_dir, ray.get(actors.bad_records.get.remote()), driver, online)
 
 
-def scaling_config(train: TrainConfig) -> ray.train.ScalingConfig:
+def scaling_config(workers: WorkersConfig) -> ray.train.ScalingConfig:
     """The worker group: N workers, or with an elastic [MIN, MAX] as many as fit in that range."""
     return ray.train.ScalingConfig(
-        num_workers=train.num_workers,
-        use_gpu=train.use_gpu,
+        num_workers=(workers.min, workers.max) if workers.elastic else workers.min,
+        use_gpu=workers.use_gpu,
         resources_per_worker={
-            "CPU": train.cpus_per_worker,
-            **({"GPU": 1} if train.use_gpu else {}),
-            **train.resources_per_worker,
+            "CPU": workers.cpus,
+            **({"GPU": 1} if workers.use_gpu else {}),
+            **workers.resources,
         },
-        placement_strategy=train.placement_strategy,
-        elastic_resize_monitor_interval_s=train.elastic_resize_monitor_interval_s,
+        placement_strategy=workers.placement,
+        elastic_resize_monitor_interval_s=workers.resize_check_s,
     )
 
 
-def workers_text(train: TrainConfig) -> str:
-    return f"{train.min_workers} to {train.max_workers} (elastic)" if train.elastic else str(train.num_workers)
+def workers_text(workers: WorkersConfig) -> str:
+    return f"{workers.min} to {workers.max} (elastic)" if workers.elastic else str(workers.min)
 
 
 def _run_actors() -> IngestActors:
@@ -225,7 +225,7 @@ def _datasets(cfg: RunConfig, actors: IngestActors, train_shards: list[str]) -> 
     workers) and val (a few batches, materialised) datasets."""
     data, size = cfg.data, image_size(cfg)
     ray.data.DataContext.get_current().enable_operator_progress_bars = False  # one bar per dataset
-    training_cpus = cfg.train.max_workers * cfg.train.cpus_per_worker  # room for the group at its largest
+    training_cpus = cfg.workers.max * cfg.workers.cpus  # room for the group at its largest
     cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
     resources = ingest_resources(
         cluster_cpus,
@@ -253,7 +253,7 @@ def _datasets(cfg: RunConfig, actors: IngestActors, train_shards: list[str]) -> 
         )
     }
     if data.val_uri:
-        n_val = cfg.train.val_batches * cfg.train.batch_size
+        n_val = cfg.validation.batches * cfg.train.batch_size
         datasets["val"] = (
             build_dataset(
                 data.val_uri,

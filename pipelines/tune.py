@@ -8,7 +8,7 @@ parent a results table and a plot. Relaunching the same sweep resumes it (`Tuner
 Local paths are made absolute in the driver (trials run in Tune's trial folders), and every trial's
 rank 0 reports its progress to one display on the driver's console. Trial drivers run on the head
 (`TRIAL_DRIVER`): a lost worker node costs a trial a worker-group restart from its checkpoint
-(`train.max_failures`), never the trial.
+(`workers.max_failures`), never the trial.
 """
 
 from __future__ import annotations

@@ -230,9 +230,12 @@ def test_clip_logit_scale_is_clamped_as_a_parameter_and_keeps_its_gradient():
 # -------------------------------------------------------------------------- CLIP-Diffusion-LM
 
 
-def test_cdlm_switches_time_conditioning_on():
+def test_cdlm_reads_t_unless_told_otherwise_and_then_refuses():
     model, cfg = model_for("objective.name=cdlm")
-    assert cfg.model.time_conditioning and model.time_mlp is not None
+    assert cfg.model.time_conditioning is None  # what the user wrote stays as written
+    assert cfg.time_conditioned and model.time_mlp is not None
+    with pytest.raises(ConfigError, match=r"model.time_conditioning=false: 'cdlm' .* set model.time_conditioning=true"):
+        load_config(None, ["objective.name=cdlm", "model.time_conditioning=false"])
 
 
 def test_cosine_schedule_runs_from_signal_to_noise():
@@ -438,7 +441,7 @@ def test_objective_trains_through_ray_then_samples_and_scores(objective, ray_clu
         "data.val_uri=null",
         "data.max_length=16",
         "train.batch_size=8",
-        "train.num_workers=1",
+        "workers.count=1",
         "train.steps=4",
         "train.log_every=2",
         "optim.warmup_steps=1",

@@ -229,9 +229,10 @@ def test_training_workers_are_one_per_gpu_and_fit_the_gpu_pod(where, gpu_type, s
     config = load_config(repo_path(tokens[tokens.index("--config") + 1]), overrides)
     sizes, gpus = derived(values), INSTANCE_TYPES[gpu_type]["gpus"]
     on_demand, spot = int(values["GPU_WORKERS"]), int(values["SPOT_GPU_WORKERS"])
-    assert config.train.num_workers == ((on_demand * gpus, (on_demand + spot) * gpus) if spot else on_demand * gpus)
+    assert (config.workers.min, config.workers.max) == (on_demand * gpus, (on_demand + spot) * gpus)
+    assert config.workers.elastic == bool(spot)
     if gpu_type != "g5.xlarge":  # 4 vCPUs: too few for a GPU's data loading; README names g5.2xlarge and up
-        assert config.train.cpus_per_worker * int(sizes["GPU_POD_GPUS"]) <= int(sizes["GPU_POD_CPU"]), gpu_type
+        assert config.workers.cpus * int(sizes["GPU_POD_GPUS"]) <= int(sizes["GPU_POD_CPU"]), gpu_type
 
 
 @pytest.mark.parametrize("gpu_type", [t for t in GPU_TYPES if t != "g5.xlarge"])
@@ -250,7 +251,7 @@ def test_sweep_runs_one_trial_per_gpu_node_and_the_cluster_fits_as_many_at_once(
     config = load_config(repo_path(tokens[tokens.index("--config") + 1]), overrides)
     space = load_space(repo_path(tokens[tokens.index("--space") + 1]), config)
     sizes = derived(values)
-    assert config.train.num_workers == int(sizes["GPU_POD_GPUS"]) and config.train.use_gpu
+    assert config.workers.count == int(sizes["GPU_POD_GPUS"]) and config.workers.use_gpu
     free = {
         "GPU": 3.0 * int(sizes["GPU_POD_GPUS"]),
         "CPU": 3.0 * int(sizes["GPU_POD_CPU"]) + int(values["CPU_WORKERS"]) * int(sizes["CPU_POD_CPU"]),

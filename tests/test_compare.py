@@ -16,10 +16,10 @@ from pipelines.compare import COLUMNS, run_compare
 TINY = [
     "data.max_length=16",
     "train.batch_size=8",
-    "train.num_workers=1",
+    "workers.count=1",
     "train.steps=4",
     "train.log_every=4",
-    "train.checkpoint_every=4",
+    "checkpoint.every=4",
     "optim.warmup_steps=1",
 ]
 

@@ -22,7 +22,7 @@ def test_default_config_fits_once_on_two_cores():
 
 
 def test_runs_fit_by_cpus_and_ingest_capped_by_how_many_there_are():
-    small = config(**{"train.num_workers": 1, "train.cpus_per_worker": 0.5, "data.ingest_cpus": 0.5})
+    small = config(**{"workers.count": 1, "workers.cpus": 0.5, "data.ingest_cpus": 0.5})
     assert concurrency.fitting_runs([small] * 4, {"CPU": 2.0}) == 2
     assert concurrency.fitting_runs([small] * 4, {"CPU": 1.99}) == 1
     assert concurrency.fitting_runs([small] * 3, {"CPU": 64.0}) == 3
@@ -31,7 +31,7 @@ def test_runs_fit_by_cpus_and_ingest_capped_by_how_many_there_are():
 
 def test_gpu_runs_fit_by_gpus():
     """A 64-GPU cluster holds 8 runs of 8 GPU workers, unless their CPUs run out first."""
-    gpu = config(**{"train.num_workers": 8, "train.use_gpu": True, "train.cpus_per_worker": 4, "data.ingest_cpus": 16})
+    gpu = config(**{"workers.count": 8, "workers.use_gpu": True, "workers.cpus": 4, "data.ingest_cpus": 16})
     assert concurrency.run_resources(gpu) == {"CPU": 48.0, "GPU": 8.0}
     assert concurrency.fitting_runs([gpu] * 30, {"CPU": 8 * 96.0, "GPU": 64.0}) == 8
     assert concurrency.fitting_runs([gpu] * 30, {"CPU": 100.0, "GPU": 64.0}) == 2
@@ -41,11 +41,11 @@ def test_gpu_runs_fit_by_gpus():
 def test_a_run_counts_its_online_evaluation_bundle():
     """eval.cpus / eval.gpus are held by the run's evaluation bundle for as long as it trains."""
     online = {"eval.probe_every": 10, "eval.data_uri": "held-out", "eval.cpus": 0.5}
-    gpu = config(**{"train.num_workers": 8, "train.use_gpu": True, "train.cpus_per_worker": 4, "data.ingest_cpus": 16})
+    gpu = config(**{"workers.count": 8, "workers.use_gpu": True, "workers.cpus": 4, "data.ingest_cpus": 16})
     assert concurrency.run_resources(derive(gpu, {**online, "eval.gpus": 1})) == {"CPU": 48.5, "GPU": 9.0}
     assert concurrency.fitting_runs([derive(gpu, {**online, "eval.gpus": 1})] * 30, {"CPU": 8 * 96.0, "GPU": 64.0}) == 7
     assert concurrency.run_resources(derive(gpu, {"eval.gpus": 1})) == {"CPU": 48.0, "GPU": 8.0}  # no online evaluation
-    small = config(**{"train.num_workers": 1, "train.cpus_per_worker": 0.5, **online})
+    small = config(**{"workers.count": 1, "workers.cpus": 0.5, **online})
     assert (
         concurrency.share_ingest(small, 2, cluster_cpus=4.0) == 1.0
     )  # 2 a run, less 0.5 of worker and 0.5 of evaluation
@@ -64,7 +64,7 @@ def test_requested_concurrency_is_bounded_by_the_runs_and_must_be_positive():
 
 
 def test_each_concurrent_run_gets_its_share_of_ingest():
-    small = config(**{"train.num_workers": 1, "train.cpus_per_worker": 0.5})
+    small = config(**{"workers.count": 1, "workers.cpus": 0.5})
     assert concurrency.share_ingest(small, 1, cluster_cpus=2.0) is None  # alone: what the workers leave
     assert concurrency.share_ingest(small, 2, cluster_cpus=2.0) == 0.5
     assert concurrency.share_ingest(small, 3, cluster_cpus=2.0) == 0.16
@@ -137,5 +137,5 @@ def test_a_sweep_counts_its_trials_so_its_default_concurrency_is_not_capped_at_o
     assert trial_count(load_space(spaces / "noise_schedule.yaml", base)) == 4
     assert trial_count(load_space(spaces / "noise_schedule_random.yaml", base)) == 8
     assert trial_count(load_space(spaces / "noise_schedule_random.yaml", base), num_samples=3) == 3
-    small = config(**{"train.num_workers": 1, "train.cpus_per_worker": 0.5, "data.ingest_cpus": 0.5})
+    small = config(**{"workers.count": 1, "workers.cpus": 0.5, "data.ingest_cpus": 0.5})
     assert concurrency.fitting_runs([small] * 4, {"CPU": 4.0}) == 4

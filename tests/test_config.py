@@ -1,6 +1,6 @@
 import pytest
 
-from mdc.config import DEFAULT_CONFIG, ConfigError, RunConfig, build_config, dump_config, load_config
+from mdc.config import DEFAULT_CONFIG, MOVED, ConfigError, RunConfig, build_config, dump_config, load_config
 
 
 def test_defaults_are_the_demo_config():
@@ -83,3 +83,26 @@ def test_top_level_must_be_a_mapping(tmp_path):
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(path)
+
+
+@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
+def test_a_moved_field_fails_in_one_line_naming_its_new_path(tmp_path, old, new):
+    with pytest.raises(ConfigError) as override:
+        load_config(None, [f"{old}=1"])
+    section, field = old.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{section}:\n  {field}: 1\n")
+    with pytest.raises(ConfigError) as yaml_file:
+        load_config(path)
+    for err in (override, yaml_file):
+        assert str(err.value).endswith(f"{old} is now {new}") and "\n" not in str(err.value)
+    section, field = new.split(".")
+    assert field in type(getattr(RunConfig(), section)).model_fields  # the new path exists
+
+
+def test_no_validator_changes_what_the_user_wrote():
+    cfg = load_config(None, ["workers.count=[3, 3]"])
+    raw = RunConfig().model_dump()
+    for section, fields in cfg.model_dump().items():
+        assert section == "workers" or fields == raw[section]
+    assert cfg.workers.count == (3, 3) and not cfg.workers.elastic and cfg.workers.max == 3

@@ -99,10 +99,10 @@ def run_config(tmp_path, name: str, workers: int, *overrides: str):
             "data.augment=crop",
             "train.batch_size=8",
             f"train.global_batch_size={GLOBAL_BATCH}",
-            f"train.num_workers={workers}",
+            f"workers.count={workers}",
             f"train.steps={STEPS}",
             "train.log_every=1",
-            "train.checkpoint_every=3",
+            "checkpoint.every=3",
             *overrides,
         ],
     )
@@ -138,7 +138,7 @@ def test_the_same_rows_and_losses_on_one_worker_two_three_and_after_a_resize(ray
     fault = Fault(step=3, rank=1, marker=str(two_dir / "fired"), at="committed")
     with pytest.raises(ray.train.TrainingFailedError):
         run_training(
-            run_config(two_dir, "resized", 2, "train.max_failures=0"),
+            run_config(two_dir, "resized", 2, "workers.max_failures=0"),
             callbacks=[fault, RowRecorder(str(two_dir / "rows"))],
         )
     assert (two_dir / "fired").exists()
@@ -146,7 +146,7 @@ def test_the_same_rows_and_losses_on_one_worker_two_three_and_after_a_resize(ray
     summary = run_training(resized, callbacks=[RowRecorder(str(two_dir / "rows"))])
     rows_two, losses_two = rows_and_losses(two_dir, resized, summary.mlflow_run_id)
 
-    three = run_config(three_dir, "three-workers", 3, "train.cpus_per_worker=0.4")
+    three = run_config(three_dir, "three-workers", 3, "workers.cpus=0.4")
     summary = run_training(three, callbacks=[RowRecorder(str(three_dir / "rows"))])
     rows_three, losses_three = rows_and_losses(three_dir, three, summary.mlflow_run_id)
 

@@ -1,6 +1,6 @@
-"""Elastic training (`train.num_workers: [MIN, MAX]`) on Ray's multi-node harness on this machine:
+"""Elastic training (`workers.count: [MIN, MAX]`) on Ray's multi-node harness on this machine:
 a head (the driver's node, one CPU for ingest) and worker nodes that each advertise one `trainer`
-resource, the one custom resource a worker needs (`train.resources_per_worker`), so a node holds
+resource, the one custom resource a worker needs (`workers.resources`), so a node holds
 one worker and the head none.
 
 The run starts on one trainer node with 1 of [1, 2] workers; at step 4 the test adds a second
@@ -48,17 +48,17 @@ def test_an_elastic_group_grows_when_a_node_joins_and_shrinks_when_it_goes(one_t
         None,
         [
             *run_overrides(tmp_path, "elastic", data),
-            "train.num_workers=[1,2]",
+            "workers.count=[1,2]",
             "train.batch_size=8",
             "train.global_batch_size=16",
-            "train.cpus_per_worker=0.5",
-            "train.resources_per_worker={trainer: 1}",
-            "train.elastic_resize_monitor_interval_s=2",
+            "workers.cpus=0.5",
+            "workers.resources={trainer: 1}",
+            "workers.resize_check_s=2",
             "train.steps=12",
-            "train.checkpoint_every=3",
-            "train.keep_checkpoints=10",
+            "checkpoint.every=3",
+            "checkpoint.keep=10",
             "train.log_every=1",
-            "train.max_failures=3",
+            "workers.max_failures=3",
             "optim.warmup_steps=1",
         ],
     )

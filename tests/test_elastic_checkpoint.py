@@ -18,7 +18,7 @@ from mdc.train import checkpoint as ckpt
 from pipelines import tracking
 
 pytestmark = pytest.mark.timeout(300)
-ELASTIC = ("train.num_workers=[1,2]", "train.global_batch_size=8", "train.checkpoint_every=3")
+ELASTIC = ("workers.count=[1,2]", "train.global_batch_size=8", "checkpoint.every=3")
 
 
 def full_state(trainer) -> dict[str, torch.Tensor]:

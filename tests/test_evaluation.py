@@ -570,7 +570,7 @@ def trained(shapes_data):
     from mdc.train.step import build_optimizer, build_scheduler, train_step
 
     cfg = load_config(DEFAULT_CONFIG)
-    batch_size = cfg.train.batch_size * cfg.train.num_workers
+    batch_size = cfg.train.batch_size * cfg.workers.count
     samples = list(shards.read_shards(str(shapes_data / "train")))
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, CaptionTokenizer)

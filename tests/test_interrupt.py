@@ -66,7 +66,7 @@ def test_after_ctrl_c_every_open_run_ends_killed_and_a_failure_too(tmp_path, mon
 def plan_file(tmp_path: Path) -> Path:
     """The smoke plan (2 arms × 2 seeds, evaluated, two claims), long enough to be interrupted."""
     plan = yaml.safe_load((REPO / "studies" / "smoke.yaml").read_text())
-    plan["budget"].update({"train.steps": STEPS, "train.log_every": EVERY, "train.checkpoint_every": EVERY})
+    plan["budget"].update({"train.steps": STEPS, "train.log_every": EVERY, "checkpoint.every": EVERY})
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan))
     return path

@@ -19,7 +19,7 @@ from pipelines.worker.checkpointer import Checkpointer
 
 
 def config(*overrides):
-    return load_config(None, ["data.max_length=16", "train.steps=50", "train.checkpoint_every=20", *overrides])
+    return load_config(None, ["data.max_length=16", "train.steps=50", "checkpoint.every=20", *overrides])
 
 
 def test_online_steps_are_checkpoint_steps_that_carry_the_weights():
@@ -166,7 +166,7 @@ def test_a_run_logs_the_probe_and_compositionality_against_step_while_it_trains(
             "data.max_length=16",
             "train.batch_size=8",
             "train.steps=30",
-            "train.checkpoint_every=100",
+            "checkpoint.every=100",
             "train.log_every=10",
             "optim.warmup_steps=5",
             "eval.probe_every=10",

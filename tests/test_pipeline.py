@@ -33,7 +33,7 @@ def tiny_config(tmp_path, name, train_uri, val_uri=None, endpoint=None, storage_
         f"data.val_uri={val_uri}" if val_uri else "data.val_uri=null",
         "data.max_length=16",
         "train.batch_size=8",
-        "train.num_workers=2",
+        "workers.count=2",
         "optim.warmup_steps=5",
     ]
     if endpoint:
@@ -81,7 +81,7 @@ def shards_png(i: int) -> bytes:
 
 def test_fsdp_training_from_bucket_counts_bad_records(ray_cluster, s3_server, tmp_path, capfd):
     """Two workers from a bucket, checkpoints uploaded to it in the background
-    (train.async_checkpoint); the fault tests below save synchronously."""
+    (checkpoint.background); the fault tests below save synchronously."""
     bucket = s3_server.make_bucket("train-from-s3")
     write_shapes_dataset(f"{bucket}/shapes", num=300, seed=0, endpoint_url=s3_server.endpoint_url, samples_per_shard=50)
     corrupt_shards(s3_server, bucket)

@@ -73,7 +73,7 @@ def test_bf16_policy_trains_validates_scores_writes_and_checkpoints(case, tmp_pa
     assert local_dtypes(ema.state_dict().values()) == {torch.float32}
 
     val_batches = [{"image": (images * 255).to(torch.uint8), "tokens": tokens}]
-    val = Validator(val_batches, cfg.objective, every=1, steps=1, seed=0, device="cpu").loss(model)
+    val = Validator(cfg.validation, val_batches, cfg.objective, steps=1, seed=0, device="cpu").loss(model)
     assert torch.isfinite(torch.tensor(val))
 
     # DCP save and restore into a fresh model with the same policy

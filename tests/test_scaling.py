@@ -89,10 +89,10 @@ def test_scaling_curve_under_one_parent_and_rerun_trains_nothing(ray_cluster, sh
         "data.val_uri=null",
         "data.max_length=16",
         "train.batch_size=8",
-        "train.num_workers=1",
-        "train.cpus_per_worker=0.5",
+        "workers.count=1",
+        "workers.cpus=0.5",
         "train.steps=6",
-        "train.checkpoint_every=6",
+        "checkpoint.every=6",
         "train.log_every=3",
         "optim.warmup_steps=2",
     ]

@@ -176,10 +176,10 @@ def test_submit_follows_training_and_is_idempotent(ray_head, tmp_path, monkeypat
         "data.val_uri=null",
         "data.max_length=16",
         "train.batch_size=8",
-        "train.num_workers=1",
-        "train.cpus_per_worker=0.5",
+        "workers.count=1",
+        "workers.cpus=0.5",
         "train.steps=6",
-        "train.checkpoint_every=3",
+        "checkpoint.every=3",
         "train.log_every=3",
         "optim.warmup_steps=2",
     ]

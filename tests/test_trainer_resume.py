@@ -30,7 +30,7 @@ def inputs_by_step(trainer, monkeypatch) -> dict[int, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["crop", "crop_flip"])
 def test_a_resumed_worker_crops_each_step_as_the_first_run_did(gloo_process_group, tmp_path, monkeypatch, kind):
-    options = (f"data.augment={kind}", f"train.checkpoint_every={SAVED}")
+    options = (f"data.augment={kind}", f"checkpoint.every={SAVED}")
     first = local_trainer(tmp_path, STEPS, 3, *options, same_images=True)
     uncropped = normalize(first.session.batches[0]["image"])
     before = inputs_by_step(first, monkeypatch)

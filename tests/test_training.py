@@ -89,26 +89,27 @@ def test_a_global_batch_is_whole_micro_batches_and_any_group_size_keeps_it():
     """The optimiser's batch is a multiple of batch_size and nothing else: any number of workers
     (a fixed 3, or whatever Ray picks in an elastic range, e.g. 15 of [8, 16]) is dealt its
     micro-batches (pipelines/worker/deal.py)."""
-    cfg = load_config(None, ["train.batch_size=8", "train.num_workers=2", "train.global_batch_size=64"])
-    assert cfg.train.micro_batches_per_step == 8
-    assert load_config(None, ["train.batch_size=8", "train.num_workers=2"]).train.global_batch == 16  # × the most
-    assert load_config(None, ["train.batch_size=8", "train.num_workers=3", "train.global_batch_size=32"])
-    elastic = load_config(None, ["train.batch_size=128", "train.global_batch_size=2048", "train.num_workers=[8,16]"])
-    assert elastic.train.micro_batches_per_step == 16 and elastic.train.elastic
-    with pytest.raises(ConfigError, match=r"global_batch_size 60 is not a multiple of batch_size 8"):
-        load_config(None, ["train.batch_size=8", "train.num_workers=2", "train.global_batch_size=60"])
+    cfg = load_config(None, ["train.batch_size=8", "workers.count=2", "train.global_batch_size=64"])
+    assert cfg.micro_batches_per_step == 8
+    assert load_config(None, ["train.batch_size=8", "workers.count=2"]).global_batch == 16  # × the most
+    assert load_config(None, ["train.batch_size=8", "workers.count=3", "train.global_batch_size=32"])
+    elastic = load_config(None, ["train.batch_size=128", "train.global_batch_size=2048", "workers.count=[8,16]"])
+    assert elastic.micro_batches_per_step == 16 and elastic.workers.elastic
+    with pytest.raises(ConfigError, match=r"train.global_batch_size 60 is not a multiple of train.batch_size 8"):
+        load_config(None, ["train.batch_size=8", "workers.count=2", "train.global_batch_size=60"])
 
 
 def test_an_elastic_range_is_a_list_in_yaml_and_must_be_ordered(tmp_path):
-    cfg = load_config(None, ["train.batch_size=4", "train.num_workers=[1,4]", "train.global_batch_size=48"])
-    assert cfg.train.elastic and (cfg.train.min_workers, cfg.train.max_workers) == (1, 4)
-    assert load_config(None, ["train.num_workers=3"]).train.elastic is False
-    assert load_config(None, ["train.num_workers=[3,3]"]).train.num_workers == 3  # one size: fixed
-    assert "num_workers:\n  - 1\n  - 4\n" in dump_config(cfg)  # a list in YAML, read back the same
+    cfg = load_config(None, ["train.batch_size=4", "workers.count=[1,4]", "train.global_batch_size=48"])
+    assert cfg.workers.elastic and (cfg.workers.min, cfg.workers.max) == (1, 4)
+    assert load_config(None, ["workers.count=3"]).workers.elastic is False
+    fixed = load_config(None, ["workers.count=[3,3]"]).workers  # one size: a fixed group, kept as written
+    assert fixed.count == (3, 3) and not fixed.elastic and fixed.min == fixed.max == 3
+    assert "count:\n  - 1\n  - 4\n" in dump_config(cfg)  # a list in YAML, read back the same
     (tmp_path / "run.yaml").write_text(dump_config(cfg))
-    assert load_config(tmp_path / "run.yaml").train.num_workers == (1, 4)
+    assert load_config(tmp_path / "run.yaml").workers.count == (1, 4)
     with pytest.raises(ConfigError, match=r"1 <= MIN <= MAX, got \[3, 2\]"):
-        load_config(None, ["train.num_workers=[3,2]"])
+        load_config(None, ["workers.count=[3,2]"])
 
 
 def loss_and_grads(model, objective=ObjectiveConfig()):
@@ -166,7 +167,7 @@ def test_compiled_blocks_train_like_eager():
 def test_without_a_working_compiler_blocks_run_eagerly_and_the_warning_says_why(monkeypatch):
     monkeypatch.setattr(fsdp, "compile_available", lambda device: "CalledProcessError: no C++ compiler")
     model = tiny_model()
-    with pytest.warns(UserWarning, match=r"train.compile: .*no C\+\+ compiler.*training uncompiled"):
+    with pytest.warns(UserWarning, match=r"compute.compile: .*no C\+\+ compiler.*training uncompiled"):
         prepare_model(model, "cpu", bf16=False, compile=True)
     assert all(block._compiled_call_impl is None for block in transformer_blocks(model))
 

@@ -48,7 +48,8 @@ def prepare_model(
                 block.compile()
         else:
             warnings.warn(
-                f"train.compile: torch.compile does not work on {device} ({reason}); training uncompiled", stacklevel=2
+                f"compute.compile: torch.compile does not work on {device} ({reason}); training uncompiled",
+                stacklevel=2,
             )
     if shard:
         apply_fsdp(model, bf16)

@@ -50,8 +50,8 @@ def train(
         "storage_uri": storage,
         "mlflow_uri": mlflow_uri,
         "name": name,
-        "train.num_workers": num_workers,
-        "train.use_gpu": use_gpu,
+        "workers.count": num_workers,
+        "workers.use_gpu": use_gpu,
     }.items():
         if value is not None:
             overrides.append(f"{key}={value}")

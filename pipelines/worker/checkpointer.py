@@ -1,5 +1,5 @@
 """The checkpointer: when to save, the save itself (local staging, the copy into the run's storage,
-in the background with train.async_checkpoint, the completion marker, pruning) and the restore."""
+in the background with checkpoint.background, the completion marker, pruning) and the restore."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ class Checkpointer:
         self.cfg, self.run_dir, self.rank, self.endpoint = cfg, run_dir, rank, cfg.data.endpoint_url
         self.parts = (model, optimizer, scheduler, ema)
         self.callbacks = list(callbacks)
-        self.background = ckpt.Background() if cfg.train.async_checkpoint else None  # collective
+        self.background = ckpt.Background() if cfg.checkpoint.background else None  # collective
 
     def due(self, step: int) -> bool:
-        """Every train.checkpoint_every steps, the last step, and each step evaluated online."""
-        return step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.steps or self.exports(step)
+        """Every checkpoint.every steps, the last step, and each step evaluated online."""
+        return step % self.cfg.checkpoint.every == 0 or step == self.cfg.train.steps or self.exports(step)
 
     def exports(self, step: int) -> bool:
         """Checkpoints that also carry the full weights: the last (for evaluation) and those
@@ -99,7 +99,7 @@ class Checkpointer:
             uri, step, written, self.rank, self.endpoint, group=self.background.group if self.background else None
         )
         if self.rank == 0:
-            ckpt.prune(self.run_dir, step, self.cfg.train.keep_checkpoints, self.endpoint)
+            ckpt.prune(self.run_dir, step, self.cfg.checkpoint.keep, self.endpoint)
         self._at(step, "committed")
 
     def _at(self, step: int, point: str) -> None:

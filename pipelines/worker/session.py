@@ -22,12 +22,11 @@ class RaySession:
         the model's inputs without waiting (non_blocking) and tallies the tags where they are. The
         rows come in the dataset's one order (shuffled upstream, pipelines/ingest.py), cut into
         blocks of exactly batch_size: no local shuffle, which would make them the rank's."""
-        tc = self.cfg.train
         return self.train.iter_torch_batches(
-            batch_size=tc.batch_size,
+            batch_size=self.cfg.train.batch_size,
             drop_last=True,
             device="cpu",
-            pin_memory=tc.use_gpu,
+            pin_memory=self.cfg.workers.use_gpu,
         )
 
     def held_out_batches(self) -> list[dict]:

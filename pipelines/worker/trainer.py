@@ -44,14 +44,14 @@ class Trainer:
     def __init__(self, args: WorkerArgs, session):
         cfg, tc = args.cfg, args.cfg.train
         self.cfg, self.session, self.rank, self.device = cfg, session, session.rank, session.device
-        self.deal = BlockDeal(tc.micro_batches_per_step, session.world_size)  # the global batch, whatever the size
+        self.deal = BlockDeal(cfg.micro_batches_per_step, session.world_size)  # the global batch, whatever the size
         self.model = build_model(cfg, CaptionTokenizer, seed=tc.seed).to(self.device)  # the same on every rank
         prepare_model(
             self.model,
             self.device,
-            bf16=tc.use_gpu,
-            activation_checkpointing=tc.activation_checkpointing,
-            compile=tc.compile,
+            bf16=cfg.workers.use_gpu,
+            activation_checkpointing=cfg.compute.activation_checkpointing,
+            compile=cfg.compute.compile,
         )
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim.warmup_steps, tc.steps)
@@ -67,7 +67,7 @@ class Trainer:
             cfg.data.stall_timeout_s,
             self.rank,
             args.ingest,
-            session.world_size * tc.cpus_per_worker,
+            session.world_size * cfg.workers.cpus,
         )
         self.cursor = DataCursor(
             source=session.train_batches,
@@ -78,16 +78,16 @@ class Trainer:
             seed=tc.seed,
             rank=self.rank,
             deal=self.deal,
-            what=f"global batch of {tc.global_batch} in {cfg.data.train_uri}",
+            what=f"global batch of {cfg.global_batch} in {cfg.data.train_uri}",
         )
         sinks = (
             rank0_sinks(args.mlflow_uri, args.mlflow_run_id, args.progress, cfg.name, tc.steps)
             if self.rank == 0
             else None
         )
-        self.metrics = MetricsLogger(tc.log_every, tc.steps, session.world_size, tc.global_batch, sinks)
+        self.metrics = MetricsLogger(tc.log_every, tc.steps, session.world_size, cfg.global_batch, sinks)
         self.validator = Validator(
-            session.held_out_batches(), cfg.objective, tc.val_every, tc.steps, tc.seed, self.device
+            cfg.validation, session.held_out_batches(), cfg.objective, steps=tc.steps, seed=tc.seed, device=self.device
         )
         self.step, self.val_loss, self.reclaimed_nodes = 0, None, set()
 
@@ -98,7 +98,9 @@ class Trainer:
         if uri is not None:
             self.step = state["step"]
             self.metrics.resumed(self.step, uri, param_norm(self.model))
-        self.metrics.workers(self.step, self.session.world_size, state and state.get("workers"), self.cfg.train.elastic)
+        self.metrics.workers(
+            self.step, self.session.world_size, state and state.get("workers"), self.cfg.workers.elastic
+        )
         if self.deal.padded:
             self.metrics.note(self.deal.describe(self.cfg.train.batch_size))
 

@@ -1,11 +1,11 @@
-"""The validator: the held-out loss every train.val_every steps, with fixed noise."""
+"""The validator: the held-out loss every validation.every steps, with fixed noise."""
 
 from __future__ import annotations
 
 import torch
 
 from mdc import registry
-from mdc.config import ObjectiveConfig
+from mdc.config import ObjectiveConfig, ValidationConfig
 from mdc.data.images import normalize
 from mdc.registry import compute_loss
 from pipelines.worker.seeds import noise_generator
@@ -23,12 +23,21 @@ def validation_objective(objective: ObjectiveConfig) -> ObjectiveConfig:
 class Validator:
     """Mean loss on `batches` (a list, empty: no validation) at its steps; comparable over time."""
 
-    def __init__(self, batches: list[dict], objective: ObjectiveConfig, every: int, steps: int, seed: int, device):
-        self.batches, self.objective, self.every, self.steps = batches, validation_objective(objective), every, steps
-        self.seed, self.device = seed, device
+    def __init__(
+        self,
+        config: ValidationConfig,
+        batches: list[dict],
+        objective: ObjectiveConfig,
+        *,
+        steps: int,
+        seed: int,
+        device,
+    ):
+        self.config, self.batches, self.objective = config, batches, validation_objective(objective)
+        self.steps, self.seed, self.device = steps, seed, device
 
     def due(self, step: int) -> bool:
-        return bool(self.batches) and (step % self.every == 0 or step == self.steps)
+        return bool(self.batches) and (step % self.config.every == 0 or step == self.steps)
 
     @torch.no_grad()
     def loss(self, model) -> float:
