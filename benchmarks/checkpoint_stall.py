@@ -19,7 +19,8 @@ import torch.distributed as dist
 from moto.server import ThreadedMotoServer
 
 from benchmarks.train_throughput import init_single_process_group, training_setup
-from mdc.config import ObjectiveConfig, load_config
+from mdc.config import load_config
+from mdc.objectives.masked import MdcObjective
 from mdc.train.step import train_step
 from pipelines.worker.checkpointer import Checkpointer
 
@@ -32,7 +33,7 @@ def step_times(cfg, run_dir: str, steps: int, every: int) -> list[float]:
     times = []
     for step in range(1, steps + 1):
         start = time.perf_counter()
-        metrics = train_step(model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0)
+        metrics = train_step(model, optimizer, scheduler, images, tokens, MdcObjective(), 1.0)
         if step % every == 0:
             checkpointer.save({"step": step, "epoch": 0, "metrics": metrics}, {})
         times.append(time.perf_counter() - start)

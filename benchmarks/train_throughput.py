@@ -23,9 +23,10 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mdc.config import ObjectiveConfig, OptimConfig
+from mdc.config import OptimConfig
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.models.captioner import Captioner
+from mdc.objectives.masked import MdcObjective
 from mdc.registry import compute_loss
 from mdc.train.fsdp import compile_available, prepare_model
 from mdc.train.step import build_optimizer, build_scheduler, train_step
@@ -75,7 +76,7 @@ def step_flops(preset: str, batch: int, max_length: int, device: str) -> float:
     model = Captioner(preset, max_length=max_length).to(device)
     images, tokens = synthetic_batch(model, batch, max_length, device)
     with FlopCounterMode(display=False) as counter:
-        loss, _ = compute_loss(model, images, tokens, ObjectiveConfig())
+        loss, _ = compute_loss(model, images, tokens, MdcObjective())
         loss.backward()
     return counter.get_total_flops()
 
@@ -117,7 +118,7 @@ def measure(
         preset, batch, device, bf16, fsdp, activation_checkpointing, compile, max_length
     )
     fallback = compile_available(device) if compile else None  # prepare_model's test: eager when it fails
-    objective = ObjectiveConfig()
+    objective = MdcObjective()
     # FSDP2's MixedPrecisionPolicy casts sharded models; a plain model computes under autocast
     autocast = torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=bf16 and not fsdp)
     for _ in range(3):  # warm-up (and compilation)
@@ -166,11 +167,11 @@ def profile(preset: str, batch: int, steps: int, device: str, rows: int = 15) ->
     from torch.profiler import profile as torch_profile
 
     model, optimizer, scheduler, (images, tokens) = training_setup(preset, batch, device, False, False, False, False)
-    train_step(model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0)
+    train_step(model, optimizer, scheduler, images, tokens, MdcObjective(), 1.0)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     with torch_profile(activities=activities) as prof:
         for _ in range(steps):
-            train_step(model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0)
+            train_step(model, optimizer, scheduler, images, tokens, MdcObjective(), 1.0)
     key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows)
 
@@ -183,11 +184,11 @@ def _ray_worker_loop(config: dict) -> None:
         config["preset"], config["batch"], "cpu", False, True, False, False
     )
     for _ in range(config["warmup"]):
-        train_step(model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0)
+        train_step(model, optimizer, scheduler, images, tokens, MdcObjective(), 1.0)
     torch.distributed.barrier()
     start = time.perf_counter()
     for _ in range(config["steps"]):
-        train_step(model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0)
+        train_step(model, optimizer, scheduler, images, tokens, MdcObjective(), 1.0)
     torch.distributed.barrier()
     if ray.train.get_context().get_world_rank() == 0:  # Ray Train V2 keeps metrics only with checkpoints
         with open(config["out"], "w") as f:
@@ -207,10 +208,10 @@ def ray_vs_plain(preset: str, global_batch: int, steps: int, workers: int = 2, w
         preset, global_batch, "cpu", False, False, False, False
     )
     for _ in range(warmup):
-        train_step(model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0)
+        train_step(model, optimizer, scheduler, images, tokens, MdcObjective(), 1.0)
     start = time.perf_counter()
     for _ in range(steps):
-        train_step(model, optimizer, scheduler, images, tokens, ObjectiveConfig(), 1.0)
+        train_step(model, optimizer, scheduler, images, tokens, MdcObjective(), 1.0)
     plain = global_batch * steps / (time.perf_counter() - start)
     del model, optimizer
 

@@ -7,14 +7,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_serializer,
+    model_validator,
+)
 
+from mdc.objectives.masked import MdcObjective
 from mdc.registry import MASKED_OBJECTIVES, OBJECTIVES
 
-ObjectiveName = Literal[tuple(OBJECTIVES)]  # the registry's entries, in its order
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"  # every command's default
 PresetName = Literal["tiny", "vit_b32", "vit_b16", "vit_l14"]
 
@@ -41,27 +50,17 @@ class ModelConfig(_Section):
     predict_length: bool = Field(False, description="DDCap: caption-length head; masked objectives only")
 
 
-class ObjectiveConfig(_Section):
-    name: ObjectiveName = "mdc"
-    omega_l: float = Field(0.5, ge=0.0, le=1.0)
-    omega_u: float = Field(1.0, ge=0.0, le=1.0)
-    antithetic: bool = True
-    mask_ratio: float = Field(0.15, gt=0.0, le=1.0, description="bert only")
-    parallel_prob: float = Field(0.75, ge=0.0, le=1.0, description="cappa only")
-    image_free_prob: float = Field(
-        0.0,
-        ge=0.0,
-        lt=1.0,
-        description="DDCap: share of captions trained with the learned null image instead of V; masked objectives only",
-    )
+def _objective_name(raw) -> str | None:
+    """The union member an objective section is: its `name`, mdc where a mapping names none."""
+    return raw.get("name", "mdc") if isinstance(raw, dict) else getattr(raw, "name", None)
 
-    @model_validator(mode="after")
-    def _schedule(self) -> ObjectiveConfig:
-        if self.omega_l >= self.omega_u:
-            raise ValueError(f"omega_l must be < omega_u, got {self.omega_l} >= {self.omega_u}")
-        if self.image_free_prob > 0 and self.name not in MASKED_OBJECTIVES:
-            raise ValueError(f"image_free_prob applies to {MASKED_OBJECTIVES}, not {self.name!r}")
-        return self
+
+# One config class per objective, each with its own fields only (the registry's, in its order),
+# told apart by `name`. Union[...] of a tuple: `|` cannot join a computed number of members.
+ObjectiveConfig = Annotated[
+    Union[tuple(Annotated[entry.config, Tag(name)] for name, entry in OBJECTIVES.items())],  # noqa: UP007
+    Discriminator(_objective_name),
+]
 
 
 class DataConfig(_Section):
@@ -229,7 +228,7 @@ class RunConfig(_Section):
     experiment: str = "mdc"
     registered_model: str | None = None  # its MLflow Model Registry name; None: mdc-<objective>-<preset>
     model: ModelConfig = ModelConfig()
-    objective: ObjectiveConfig = ObjectiveConfig()
+    objective: ObjectiveConfig = MdcObjective()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
@@ -334,23 +333,55 @@ def _set(raw: dict, dotted: str, value, item: str) -> None:
     node[leaf] = value
 
 
+def _override(raw: dict, pairs: list[tuple[str, Any, str]]) -> dict:
+    """`raw` with each (dotted key, value, as the user wrote it) set. An override of `objective.name`
+    switches objective: the objective fields the new one has not and no override set are the old
+    one's settings and go; the fields both have stay (mdc's schedule for cmlm)."""
+    for dotted, value, item in pairs:
+        _set(raw, dotted, value, item)
+    keys = {dotted for dotted, _, _ in pairs}
+    objective = raw.get("objective")
+    if "objective.name" in keys and isinstance(objective, dict) and objective.get("name") in OBJECTIVES:
+        fields = OBJECTIVES[objective["name"]].config.model_fields
+        raw["objective"] = {k: v for k, v in objective.items() if k in fields or f"objective.{k}" in keys}
+    return raw
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    pairs = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         dotted, value = item.split("=", 1)
-        _set(raw, dotted, _parse_value(value), item)
-    return raw
+        pairs.append((dotted, _parse_value(value), item))
+    return _override(raw, pairs)
+
+
+def _objective_error(e: dict, loc: list, msg: str, got) -> tuple[list, str, Any]:
+    """An error in the objective union as the user wrote it: `objective.FIELD`, not pydantic's
+    `objective.MEMBER.FIELD`; a bad name lists the names, another objective's field says whose."""
+    if e["type"] == "union_tag_invalid":
+        return ["objective", "name"], f"expected one of {e['ctx']['expected_tags']}", e["ctx"]["tag"]
+    if e["type"] == "union_tag_not_found":
+        return loc, "expected a mapping with a name, e.g. {name: mdc}", got
+    if len(loc) < 2 or loc[1] not in OBJECTIVES:
+        return loc, msg, got
+    member, loc = loc[1], loc[:1] + loc[2:]
+    if e["type"] == "extra_forbidden":
+        owners = [name for name, entry in OBJECTIVES.items() if loc[-1] in entry.config.model_fields]
+        msg = f"unknown field for {member!r}" + (f"; {loc[-1]} applies to {', '.join(owners)}" if owners else "")
+    return loc, msg, got
 
 
 def _explain(err: ValidationError, source: str) -> ConfigError:
     lines = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(root)"
-        msg = e["msg"].removeprefix("Value error, ")
+        loc, msg, got = list(e["loc"]), e["msg"].removeprefix("Value error, "), e.get("input")
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
-        lines.append(f"  {field}: {msg} (got {e.get('input')!r})")
+        if loc[:1] == ["objective"]:
+            loc, msg, got = _objective_error(e, loc, msg, got)
+        lines.append(f"  {'.'.join(str(p) for p in loc) or '(root)'}: {msg} (got {got!r})")
     return ConfigError(f"invalid config {source}:\n" + "\n".join(lines))
 
 
@@ -377,11 +408,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
 def derive(cfg: RunConfig, overrides: Mapping[str, Any] | Sequence[str] = ()) -> RunConfig:
     """The one way to make a config from another: `cfg` with `overrides` (dotted keys to values,
     taken as given, or `section.key=value` strings, values read as YAML) on a copy of its fields,
-    validated once."""
+    validated once; `objective.name` switches objective (`_override`)."""
     raw = cfg.model_dump()
     if isinstance(overrides, Mapping):
-        for dotted, value in overrides.items():
-            _set(raw, dotted, value, dotted)
+        _override(raw, [(dotted, value, dotted) for dotted, value in overrides.items()])
     else:
         apply_overrides(raw, list(overrides))
     return build_config(raw, source=f"derived from {cfg.name}")

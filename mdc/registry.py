@@ -1,10 +1,11 @@
-"""What an objective *is*, one entry each (docs/design.md §3–§5): the model it trains, its loss, the
-objective its validation loss is measured with, the scorer compositionality uses by default and
-the way it writes captions. Everything that used to switch on an objective's name looks its entry
-up here; adding an objective is one entry and its own modules.
+"""What an objective *is*, one entry each (docs/design.md §3–§5): its config (its own fields and
+defaults), the model it trains, its loss, the objective its validation loss is measured with, the
+scorer compositionality uses by default and the way it writes captions. Everything that used to
+switch on an objective's name looks its entry up here; adding an objective is one entry and its
+own modules.
 
-The traits the config validates with (`masked`, `time`) live here too, so that
-`mdc.config` names the allowed objectives from this table.
+The traits the config validates with (`masked`, `time`) live here too, and `mdc.config` builds
+`RunConfig.objective`'s union of the entries' config classes from this table.
 """
 
 from __future__ import annotations
@@ -20,17 +21,25 @@ from mdc import ddcap, sampling, seeding
 from mdc.models.captioner import Captioner
 from mdc.models.cdlm import DiffusionLMCaptioner
 from mdc.models.clip import ClipModel
-from mdc.objectives.autoregressive import autoregressive_loss
-from mdc.objectives.cdlm import continuous_diffusion_loss
-from mdc.objectives.clip import clip_loss
-from mdc.objectives.masked import T_MIN, masked_diffusion_loss
+from mdc.objectives.autoregressive import ArObjective, CappaObjective, autoregressive_loss
+from mdc.objectives.base import ObjectiveSection
+from mdc.objectives.cdlm import CdlmObjective, continuous_diffusion_loss
+from mdc.objectives.clip import ClipObjective, clip_loss
+from mdc.objectives.masked import (
+    T_MIN,
+    BertObjective,
+    CmlmObjective,
+    MaskedObjective,
+    MdcObjective,
+    masked_diffusion_loss,
+)
 
 LossFn = Callable[..., tuple[torch.Tensor, dict]]  # (model, images, tokens, objective config, generator)
 WriteFn = Callable[..., torch.Tensor]  # (model, images, length, sampling.Decoding) -> (B, L)
 
 # The one yardstick of every masking objective's validation loss, whatever its training schedule or
 # ratio: the masked-diffusion ELBO over t ∈ [T_MIN, 1] per non-pad token, estimated without bias.
-MASKED_ELBO = {"name": "mdc", "omega_l": T_MIN, "omega_u": 1.0, "antithetic": True}
+MASKED_ELBO = MdcObjective(omega_l=T_MIN, omega_u=1.0, antithetic=True)
 
 
 def _captioner(cls: type[Captioner]) -> Callable[..., nn.Module]:
@@ -49,7 +58,7 @@ def _captioner(cls: type[Captioner]) -> Callable[..., nn.Module]:
             time_conditioning=cfg.time_conditioned,
             concentrated_attention=m.concentrated_attention,
             predict_length=m.predict_length,
-            null_image=cfg.objective.image_free_prob > 0,
+            null_image=cfg.objective.null_image,
             encoder_pos_embed=m.encoder_pos_embed,
         )
 
@@ -72,41 +81,24 @@ def _clip(cfg, tokenizer) -> nn.Module:
 
 @dataclass(frozen=True)
 class Objective:
-    name: str
+    config: type[ObjectiveSection]  # its config: its own fields and defaults, a member of RunConfig.objective
     summary: str
     build: Callable[..., nn.Module]  # (RunConfig, tokenizer) -> the model it trains
     loss: LossFn
-    validation: dict | None  # ObjectiveConfig fields of the validation objective; None: its own loss
+    validation: ObjectiveSection | None  # the config of the validation objective; None: its own loss
     scorer: str  # the compositionality scorer "auto" resolves to (mdc.evaluation.compositionality)
     write: WriteFn | None  # None: the model writes no captions
     sampler: str | None = None  # the caption writer's name in reports; None: the masked sampler asked for
-    masked: bool = False  # trained on masked captions: DDCap's length head and image-free training apply
     time: Literal["optional", "required", "never"] = "optional"  # model.time_conditioning; never: no t
 
+    @property
+    def name(self) -> str:
+        return self.config.model_fields["name"].default
 
-def _masked_loss(kind: str) -> LossFn:
-    def loss(model, images, tokens, objective, generator=None):
-        return masked_diffusion_loss(
-            model,
-            images,
-            tokens,
-            kind,
-            objective.omega_l,
-            objective.omega_u,
-            objective.antithetic,
-            objective.mask_ratio,
-            generator,
-            objective.image_free_prob,
-        )
-
-    return loss
-
-
-def _autoregressive_loss(parallel: bool) -> LossFn:
-    def loss(model, images, tokens, objective, generator=None):
-        return autoregressive_loss(model, images, tokens, objective.parallel_prob if parallel else 0.0, generator)
-
-    return loss
+    @property
+    def masked(self) -> bool:
+        """Trained on masked captions: DDCap's length head and image-free training apply."""
+        return issubclass(self.config, MaskedObjective)
 
 
 def _contrastive_loss(model, images, tokens, objective, generator=None):
@@ -152,11 +144,16 @@ def _write_continuous(model, images, length, decoding: sampling.Decoding, genera
 
 
 _MASKED = dict(
-    build=_captioner(Captioner), validation=MASKED_ELBO, scorer="montecarlo", write=_write_masked, masked=True
+    build=_captioner(Captioner),
+    loss=masked_diffusion_loss,
+    validation=MASKED_ELBO,
+    scorer="montecarlo",
+    write=_write_masked,
 )
 _AUTOREGRESSIVE = dict(
     build=_captioner(Captioner),
-    validation={"name": "ar"},
+    loss=autoregressive_loss,
+    validation=ArObjective(),
     scorer="ar",
     write=_write_autoregressive,
     sampler="greedy-autoregressive",
@@ -166,18 +163,13 @@ _AUTOREGRESSIVE = dict(
 OBJECTIVES: dict[str, Objective] = {
     o.name: o
     for o in (
+        Objective(MdcObjective, "masked diffusion captioning: the 1/t-weighted ELBO, t ~ U[ω_l, ω_u]", **_MASKED),
+        Objective(CmlmObjective, 'MDC\'s "no t" ablation: same t, the weight dropped', **_MASKED),
+        Objective(BertObjective, "image-conditioned BERT: a fixed mask ratio", **_MASKED),
+        Objective(ArObjective, "autoregressive captioning (Cap)", **_AUTOREGRESSIVE),
+        Objective(CappaObjective, "CapPa: Cap with parallel prediction", **_AUTOREGRESSIVE),
         Objective(
-            "mdc",
-            "masked diffusion captioning: the 1/t-weighted ELBO, t ~ U[ω_l, ω_u]",
-            loss=_masked_loss("mdc"),
-            **_MASKED,
-        ),
-        Objective("cmlm", 'MDC\'s "no t" ablation: same t, the weight dropped', loss=_masked_loss("cmlm"), **_MASKED),
-        Objective("bert", "image-conditioned BERT: a fixed mask ratio", loss=_masked_loss("bert"), **_MASKED),
-        Objective("ar", "autoregressive captioning (Cap)", loss=_autoregressive_loss(False), **_AUTOREGRESSIVE),
-        Objective("cappa", "CapPa: Cap with parallel prediction", loss=_autoregressive_loss(True), **_AUTOREGRESSIVE),
-        Objective(
-            "clip",
+            ClipObjective,
             "CLIP: contrastive dual encoder",
             build=_clip,
             loss=_contrastive_loss,
@@ -186,7 +178,7 @@ OBJECTIVES: dict[str, Objective] = {
             write=None,
         ),
         Objective(
-            "cdlm",
+            CdlmObjective,
             "CLIP-Diffusion-LM: continuous diffusion over token embeddings",
             build=_captioner(DiffusionLMCaptioner),
             loss=_continuous_loss,
@@ -215,7 +207,7 @@ def build_model(cfg, tokenizer, seed: int = 0) -> nn.Module:
 
 
 def compute_loss(model, images, tokens, objective_cfg, generator=None):
-    """(loss, metrics) of one batch under an ObjectiveConfig."""
+    """(loss, metrics) of one batch under an objective's config (mdc.config.ObjectiveConfig)."""
     return objective(objective_cfg.name).loss(model, images, tokens, objective_cfg, generator)
 
 

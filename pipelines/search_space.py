@@ -14,7 +14,7 @@ import itertools
 import math
 import random
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -135,10 +135,19 @@ def _copy(d: dict) -> dict:
     return yaml.safe_load(yaml.safe_dump(d))
 
 
+def _fields(node) -> dict:
+    """The fields under a config annotation: a section's, or any member's of a union (the objective)."""
+    members = get_args(node) if get_origin(node) is Union else (node,)
+    members = [get_args(m)[0] if get_origin(m) is Annotated else m for m in members]
+    return {
+        k: v for m in members if isinstance(m, type) and issubclass(m, BaseModel) for k, v in m.model_fields.items()
+    }
+
+
 def _check_field(key: str, source: Path) -> None:
     node = RunConfig
     for part in key.split("."):
-        fields = node.model_fields if isinstance(node, type) and issubclass(node, BaseModel) else {}
+        fields = _fields(node)
         if part not in fields:
             raise ConfigError(f"{source}: {key!r} is not a run config field (unknown {part!r})")
         node = fields[part].annotation

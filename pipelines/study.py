@@ -343,7 +343,7 @@ def random_init_probe(cfg: RunConfig, data_uri: str) -> float:
         id(OBJECTIVES[cfg.objective.name].build),
         cfg.model.model_dump_json(),
         cfg.data.max_length,
-        cfg.objective.image_free_prob > 0,
+        cfg.objective.null_image,
         cfg.train.seed,
         data_uri,
     )

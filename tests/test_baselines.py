@@ -18,7 +18,7 @@ from mdc.evaluation.infilling import evaluate_infilling, mask_span
 from mdc.models.cdlm import alpha_bar
 from mdc.objectives.cdlm import continuous_diffusion_loss
 from mdc.objectives.clip import clip_loss
-from mdc.objectives.masked import masked_diffusion_loss
+from mdc.objectives.masked import MdcObjective, masked_diffusion_loss
 from mdc.registry import build_model, compute_loss, write_captions
 from mdc.sampling import sample_continuous, sample_masked
 from mdc.train.checkpoint import load_pretrained
@@ -135,7 +135,11 @@ def test_image_free_training_drops_the_chosen_share_and_trains_the_null_image():
     uniform = ConstantNLL(16, mask_id=MASK, pad_id=PAD, bos_id=BOS, eos_id=EOS)
     tokens = torch.zeros(48000, 4, dtype=torch.long)
     _, metrics = masked_diffusion_loss(
-        uniform, None, tokens, "mdc", 0.0, 1.0, image_free_prob=0.3, generator=torch.Generator().manual_seed(0)
+        uniform,
+        None,
+        tokens,
+        MdcObjective(omega_l=0.0, omega_u=1.0, image_free_prob=0.3),
+        generator=torch.Generator().manual_seed(0),
     )
     assert metrics["image_free_fraction"].item() == pytest.approx(0.3, abs=4 * math.sqrt(0.3 * 0.7 / len(tokens)))
     model, cfg = model_for("objective.image_free_prob=0.3")

@@ -1,6 +1,8 @@
 import pytest
+from typer.testing import CliRunner
 
-from mdc.config import DEFAULT_CONFIG, MOVED, ConfigError, RunConfig, build_config, dump_config, load_config
+from mdc.config import DEFAULT_CONFIG, MOVED, ConfigError, RunConfig, build_config, derive, dump_config, load_config
+from pipelines.cli import app
 
 
 def test_defaults_are_the_demo_config():
@@ -106,3 +108,53 @@ def test_no_validator_changes_what_the_user_wrote():
     for section, fields in cfg.model_dump().items():
         assert section == "workers" or fields == raw[section]
     assert cfg.workers.count == (3, 3) and not cfg.workers.elastic and cfg.workers.max == 3
+
+
+def test_a_field_of_another_objective_is_named_with_its_objectives():
+    """One line per field, `objective.FIELD` (not pydantic's `objective.MEMBER.FIELD`), saying whose it is."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["objective.mask_ratio=0.2", "objective.parallel_prob=0.5"])
+    assert str(err.value).splitlines()[1:] == [
+        "  objective.mask_ratio: unknown field for 'mdc'; mask_ratio applies to bert (got 0.2)",
+        "  objective.parallel_prob: unknown field for 'mdc'; parallel_prob applies to cappa (got 0.5)",
+    ]
+    with pytest.raises(ConfigError, match=r"objective.name: expected one of 'mdc', 'cmlm', .* \(got 'gan'\)"):
+        load_config(None, ["objective.name=gan"])
+
+
+def test_switching_objective_drops_the_old_ones_fields_and_keeps_the_shared_ones(tmp_path):
+    base = load_config(None, ["objective.omega_l=0.2", "objective.image_free_prob=0.3"])
+    assert derive(base, {"objective.name": "ar"}).objective.model_dump() == {"name": "ar"}
+    cmlm = derive(base, ["objective.name=cmlm"]).objective
+    assert (cmlm.name, cmlm.omega_l, cmlm.image_free_prob) == ("cmlm", 0.2, 0.3)
+    bert = derive(base, {"objective.name": "bert", "objective.mask_ratio": 0.5}).objective
+    assert bert.model_dump() == {"name": "bert", "image_free_prob": 0.3, "mask_ratio": 0.5}
+    path = tmp_path / "run.yaml"
+    path.write_text("objective:\n  name: mdc\n  omega_l: 0.2\n")
+    assert load_config(path, ["objective.name=cappa"]).objective.model_dump() == {
+        "name": "cappa",
+        "parallel_prob": 0.75,
+    }
+
+
+def test_a_field_set_for_the_wrong_objective_is_still_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="objective.omega_l: unknown field for 'bert'; omega_l applies to mdc, cmlm"):
+        derive(RunConfig(), {"objective.name": "bert", "objective.omega_l": 0.3})
+    path = tmp_path / "run.yaml"
+    path.write_text("objective:\n  name: bert\n  omega_l: 0.2\n")
+    with pytest.raises(ConfigError, match="objective.omega_l: unknown field for 'bert'"):
+        load_config(path)
+
+
+def test_config_show_lists_an_objectives_own_fields():
+    result = CliRunner().invoke(app, ["config", "show", "--objective", "cappa"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        "objective.name=cappa: CapPa: Cap with parallel prediction",
+        "  objective.parallel_prob: float = 0.75 (>= 0.0, <= 1.0) — share of captions trained by parallel "
+        "prediction from all-[MASK] inputs",
+    ]
+    every = CliRunner().invoke(app, ["config", "show"]).output
+    assert "objective.mask_ratio: float = 0.15" in every and "objective.name=clip" in every
+    unknown = CliRunner().invoke(app, ["config", "show", "--objective", "gpt"])
+    assert unknown.exit_code == 2 and "unknown objective 'gpt'" in unknown.output

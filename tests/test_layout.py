@@ -116,3 +116,37 @@ def test_mdc_never_imports_ray():
         if target.split(".")[0] == "ray"
     ]
     assert offenders == []
+
+
+def objective_switches(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines comparing something with an objective's name: `== "mdc"`, `!= "ar"`, `in ("bert", ...)`."""
+
+    def named(node) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(named(e) for e in node.elts)
+        return isinstance(node, ast.Constant) and node.value in names
+
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Compare) and any(named(side) for side in (node.left, *node.comparators))
+    ]
+
+
+def test_the_switch_counter_counts_a_planted_switch():
+    snippet = 'if cfg.objective.name == "bert":\n    pass\nok = name in ("mdc", "cmlm")\nfine = x == "other"\n'
+    assert objective_switches(ast.parse(snippet), {"mdc", "cmlm", "bert"}) == [1, 3]
+
+
+def test_objectives_are_told_apart_by_the_registry_not_by_name_switches():
+    """What an objective is lives in its registry entry and config class: at most 3 comparisons with
+    an objective's name outside mdc/registry.py."""
+    from mdc.registry import OBJECTIVES  # the names to look for; the layout tests above import nothing of mdc
+
+    switches = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for name, path in project_modules().items()
+        if name != "mdc.registry"
+        for line in objective_switches(ast.parse(path.read_text()), set(OBJECTIVES))
+    ]
+    assert len(switches) <= 3, switches

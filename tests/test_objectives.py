@@ -7,10 +7,18 @@ from torch import nn
 
 import mdc.objectives.masked as objectives
 import mdc.objectives.positions as positions
-from mdc.config import ObjectiveConfig
-from mdc.objectives.autoregressive import autoregressive_io, autoregressive_loss
-from mdc.objectives.masked import T_MIN, mask_tokens, masked_diffusion_loss, sample_t
-from mdc.registry import compute_loss
+from mdc.config import RunConfig, derive
+from mdc.objectives.autoregressive import ArObjective, CappaObjective, autoregressive_io, autoregressive_loss
+from mdc.objectives.masked import (
+    T_MIN,
+    BertObjective,
+    CmlmObjective,
+    MdcObjective,
+    mask_tokens,
+    masked_diffusion_loss,
+    sample_t,
+)
+from mdc.registry import OBJECTIVES, compute_loss
 
 # A toy vocabulary: words 0..3, then the special ids.
 BOS, EOS, MASK, PAD = 4, 5, 6, 7
@@ -73,7 +81,7 @@ def test_mdc_loss_is_inverse_t_weighted_and_normalised_by_real_tokens(fixed_draw
     monkeypatch.setattr(positions, "projects_every_position", lambda device: every_position)
     table = random_table(3, 5)
     model = StubModel(table)
-    loss, metrics = masked_diffusion_loss(model, None, TOKENS, "mdc")
+    loss, metrics = masked_diffusion_loss(model, None, TOKENS, MdcObjective())
     expected = (
         sum(nll(table[b, i], int(TOKENS[b, i])) / float(T[b]) for b in range(3) for i in range(5) if MASKED[b, i]) / 10
     )  # 10 non-pad tokens
@@ -100,7 +108,7 @@ def test_mdc_loss_of_a_caption_with_nothing_masked_is_zero(monkeypatch):
         ),
     )
     table = random_table(3, 5)
-    loss, _ = masked_diffusion_loss(StubModel(table), None, TOKENS, "mdc")
+    loss, _ = masked_diffusion_loss(StubModel(table), None, TOKENS, MdcObjective())
     expected = (
         sum(nll(table[b, i], int(TOKENS[b, i])) / float(T[b]) for b in range(3) for i in range(5) if masked[b, i]) / 10
     )
@@ -110,7 +118,11 @@ def test_mdc_loss_of_a_caption_with_nothing_masked_is_zero(monkeypatch):
 def test_mdc_loss_of_a_batch_with_nothing_masked_is_zero_and_differentiable():
     table = random_table(3, 5).requires_grad_()
     loss, metrics = masked_diffusion_loss(
-        StubModel(table), None, TOKENS, "mdc", 0.0, 1e-9, generator=torch.Generator().manual_seed(0)
+        StubModel(table),
+        None,
+        TOKENS,
+        MdcObjective(omega_l=0.0, omega_u=1e-9),
+        generator=torch.Generator().manual_seed(0),
     )
     assert loss.item() == 0.0 and metrics["masked_fraction"].item() == 0.0 and metrics["nll_masked"].item() == 0.0
     loss.backward()
@@ -133,7 +145,10 @@ def test_mdc_loss_is_an_unbiased_estimate_of_the_elbo(length, omega_l, omega_u):
     uniform = ConstantNLL(VOCAB, mask_id=MASK, pad_id=PAD, bos_id=BOS, eos_id=EOS)
     ratios = torch.stack(
         [
-            masked_diffusion_loss(uniform, None, tokens, "mdc", omega_l, omega_u, generator=generator)[0] / ell
+            masked_diffusion_loss(
+                uniform, None, tokens, MdcObjective(omega_l=omega_l, omega_u=omega_u), generator=generator
+            )[0]
+            / ell
             for _ in range(batches)
         ]
     ).double()
@@ -150,7 +165,7 @@ def test_sampled_t_never_falls_below_t_min():
             model,
             None,
             tokens,
-            ObjectiveConfig(name=name, omega_l=0.0, omega_u=0.01),
+            OBJECTIVES[name].config(omega_l=0.0, omega_u=0.01),
             generator=torch.Generator().manual_seed(11),
         )
         assert (model.calls[-1]["t"] >= T_MIN).all()
@@ -159,7 +174,8 @@ def test_sampled_t_never_falls_below_t_min():
 @pytest.mark.parametrize("kind", ["cmlm", "bert"])
 def test_cmlm_and_bert_are_mean_cross_entropy_over_masked(fixed_draws, kind):
     table = random_table(3, 5)
-    loss, _ = masked_diffusion_loss(StubModel(table), None, TOKENS, kind, mask_ratio=0.25)
+    objective = {"cmlm": CmlmObjective(), "bert": BertObjective(mask_ratio=0.25)}[kind]
+    loss, _ = masked_diffusion_loss(StubModel(table), None, TOKENS, objective)
     terms = [nll(table[b, i], int(TOKENS[b, i])) for b in range(3) for i in range(5) if MASKED[b, i]]
     assert loss.item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
 
@@ -172,7 +188,7 @@ def test_bert_uses_the_fixed_ratio(monkeypatch):
     tokens = torch.randint(0, 4, (500, 40), generator=torch.Generator().manual_seed(1))
     model = StubModel(random_table(40))
     _, metrics = masked_diffusion_loss(
-        model, None, tokens, "bert", mask_ratio=0.25, generator=torch.Generator().manual_seed(2)
+        model, None, tokens, BertObjective(mask_ratio=0.25), generator=torch.Generator().manual_seed(2)
     )
     assert torch.equal(model.calls[0]["t"], torch.full((500,), 0.25))
     assert abs(metrics["masked_fraction"].item() - 0.25) < 0.01
@@ -190,7 +206,9 @@ def test_pads_are_never_masked_nor_counted():
     loud[~real] = 100.0 * torch.randn(int((~real).sum()), VOCAB)  # wild logits at pad positions
     for kind in ("mdc", "cmlm"):
         losses = [
-            masked_diffusion_loss(StubModel(tab), None, tokens, kind, generator=torch.Generator().manual_seed(3))[0]
+            masked_diffusion_loss(
+                StubModel(tab), None, tokens, OBJECTIVES[kind].config(), generator=torch.Generator().manual_seed(3)
+            )[0]
             for tab in (table, loud)
         ]
         assert losses[0].item() == losses[1].item()
@@ -201,7 +219,9 @@ def test_mdc_loss_end_to_end_with_drawn_t_and_mask():
     tokens = TOKENS.repeat(4, 1)
     table = random_table(12, 5)
     model = StubModel(table)
-    loss, _ = masked_diffusion_loss(model, None, tokens, "mdc", 0.3, 0.9, generator=torch.Generator().manual_seed(4))
+    loss, _ = masked_diffusion_loss(
+        model, None, tokens, MdcObjective(omega_l=0.3, omega_u=0.9), generator=torch.Generator().manual_seed(4)
+    )
     fed, t = model.calls[0]["tokens"], model.calls[0]["t"]
     masked = fed == MASK
     assert ((t >= 0.3) & (t < 0.9)).all()
@@ -238,7 +258,9 @@ def test_cmlm_and_bert_get_a_forced_mask_and_mdc_does_not(monkeypatch):
         ),
     )
     for kind in ("mdc", "cmlm", "bert"):
-        masked_diffusion_loss(StubModel(random_table(3)), None, torch.tensor([[0, 1, 2]] * 4), kind)
+        masked_diffusion_loss(
+            StubModel(random_table(3)), None, torch.tensor([[0, 1, 2]] * 4), OBJECTIVES[kind].config()
+        )
     assert forced == [False, True, True]
 
 
@@ -284,7 +306,7 @@ def test_cap_loss_is_mean_cross_entropy_over_targets(monkeypatch, every_position
     tokens = torch.tensor([[0, 1, 2, PAD], [3, 3, PAD, PAD]])
     table = random_table(2, 5)
     model = StubModel(table)
-    loss, metrics = autoregressive_loss(model, None, tokens)
+    loss, metrics = autoregressive_loss(model, None, tokens, ArObjective())
     _, targets = autoregressive_io(tokens, BOS, EOS, PAD)
     terms = [nll(table[b, i], int(targets[b, i])) for b in range(2) for i in range(5) if targets[b, i] != PAD]
     assert len(terms) == 4 + 3
@@ -301,7 +323,7 @@ def test_cappa_parallel_rows_are_all_mask_pads_included_and_bidirectional():
     tokens = torch.where(torch.arange(6) < lengths[:, None], 1, PAD)
     model = StubModel(random_table(7))
     _, metrics = autoregressive_loss(
-        model, None, tokens, parallel_prob=0.75, generator=torch.Generator().manual_seed(9)
+        model, None, tokens, CappaObjective(parallel_prob=0.75), generator=torch.Generator().manual_seed(9)
     )
     fed, causal = model.calls[0]["tokens"], model.calls[0]["causal"]
     parallel = ~causal
@@ -316,7 +338,7 @@ def test_cappa_parallel_rows_are_all_mask_pads_included_and_bidirectional():
 def test_compute_loss_dispatches_autoregressive(name, parallel_share):
     model = StubModel(random_table(4))
     tokens = torch.tensor([[0, 1, PAD]] * 10)
-    compute_loss(model, None, tokens, ObjectiveConfig(name=name, parallel_prob=1.0))
+    compute_loss(model, None, tokens, {"ar": ArObjective(), "cappa": CappaObjective(parallel_prob=1.0)}[name])
     assert (~model.calls[0]["causal"]).float().mean().item() == parallel_share
 
 
@@ -324,7 +346,7 @@ def test_compute_loss_dispatches_autoregressive(name, parallel_share):
 def test_compute_loss_dispatches_masked_diffusion(name):
     model = StubModel(random_table(3))
     tokens = torch.tensor([[0, 1, 2]] * 16)
-    objective = ObjectiveConfig(name=name, omega_l=0.6, omega_u=0.8, mask_ratio=0.4)
+    objective = BertObjective(mask_ratio=0.4) if name == "bert" else OBJECTIVES[name].config(omega_l=0.6, omega_u=0.8)
     compute_loss(model, None, tokens, objective, generator=torch.Generator().manual_seed(10))
     t, causal = model.calls[0]["t"], model.calls[0]["causal"]
     assert causal is False
@@ -356,7 +378,7 @@ def test_cappa_parallel_prediction_does_not_see_the_caption_length():
             seen["logits"] = model(images, inputs, causal=causal)
             return seen["logits"][where]
 
-    autoregressive_loss(Recorder(), image, tokens, parallel_prob=1.0)
+    autoregressive_loss(Recorder(), image, tokens, CappaObjective(parallel_prob=1.0))
     words = seen["logits"][:, 0, : model.mask_id]  # [MASK] and pad are −∞ in both
     assert torch.equal(words[0], words[1])
 
@@ -381,13 +403,19 @@ class DDCapStub(StubModel):
 
 @pytest.mark.parametrize("kind", ["mdc", "cmlm", "bert"])
 def test_masked_loss_defaults_are_the_objective_configs(kind):
-    """Called with no options the loss is the one `compute_loss` gives for a default ObjectiveConfig:
-    t stratified over [0.5, 1) for MDC and CMLM, the fixed 15% for BERT."""
+    """A config class's defaults are the objective a run config switched to it trains with: t
+    stratified over [0.5, 1) for MDC and CMLM, the fixed 15% for BERT."""
     tokens = torch.tensor([[0, 1, 2, 3]] * 16)
     plain, configured = StubModel(random_table(4)), StubModel(random_table(4))
-    loss, _ = masked_diffusion_loss(plain, None, tokens, kind, generator=torch.Generator().manual_seed(12))
+    loss, _ = masked_diffusion_loss(
+        plain, None, tokens, OBJECTIVES[kind].config(), generator=torch.Generator().manual_seed(12)
+    )
     expected, _ = compute_loss(
-        configured, None, tokens, ObjectiveConfig(name=kind), generator=torch.Generator().manual_seed(12)
+        configured,
+        None,
+        tokens,
+        derive(RunConfig(), {"objective.name": kind}).objective,
+        generator=torch.Generator().manual_seed(12),
     )
     assert loss.item() == expected.item()
     t = plain.calls[0]["t"]
@@ -441,7 +469,7 @@ def test_nll_masked_is_the_mean_nll_over_masked_tokens(monkeypatch):
                 mask.clone(),
             ),
         )
-        _, metrics = masked_diffusion_loss(StubModel(table), None, TOKENS, "mdc")
+        _, metrics = masked_diffusion_loss(StubModel(table), None, TOKENS, MdcObjective())
         terms = [nll(table[b, i], int(TOKENS[b, i])) for b in range(3) for i in range(5) if mask[b, i]]
         assert len(terms) == int(mask.sum())  # 6, then 1
         assert metrics["nll_masked"].item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
@@ -459,7 +487,11 @@ def test_image_free_captions_are_the_generators_draws_below_the_share():
     model = DDCapStub(random_table(4))
     images = torch.zeros(64, 1)
     _, metrics = masked_diffusion_loss(
-        model, images, tokens, "mdc", 0.5, 1.0, image_free_prob=share, generator=torch.Generator().manual_seed(16)
+        model,
+        images,
+        tokens,
+        MdcObjective(omega_l=0.5, omega_u=1.0, image_free_prob=share),
+        generator=torch.Generator().manual_seed(16),
     )
     call = model.calls[0]
     assert call["images"] is images and call["return_length"] is False
@@ -474,7 +506,7 @@ def test_the_length_cross_entropy_is_added_and_reported(fixed_draws):
     table, lengths = random_table(3, 5), random_table(3, 6, seed=1)[..., 0]
     model = DDCapStub(table, length_table=lengths)
     images = torch.zeros(3, 1)
-    loss, metrics = masked_diffusion_loss(model, images, TOKENS, "mdc")
+    loss, metrics = masked_diffusion_loss(model, images, TOKENS, MdcObjective())
     elbo = (
         sum(nll(table[b, i], int(TOKENS[b, i])) / float(T[b]) for b in range(3) for i in range(5) if MASKED[b, i]) / 10
     )
@@ -497,14 +529,15 @@ def test_objectives_compute_on_the_tokens_device_whatever_torchs_default_device(
             DDCapStub(table, lengths),
             None,
             tokens,
-            "mdc",
-            image_free_prob=0.5,
+            MdcObjective(image_free_prob=0.5),
             generator=torch.Generator().manual_seed(17),
         ),
         lambda: masked_diffusion_loss(
-            StubModel(table), None, tokens, "bert", generator=torch.Generator().manual_seed(17)
+            StubModel(table), None, tokens, BertObjective(), generator=torch.Generator().manual_seed(17)
         ),
-        lambda: autoregressive_loss(StubModel(ar_table), None, tokens, 0.5, torch.Generator().manual_seed(17)),
+        lambda: autoregressive_loss(
+            StubModel(ar_table), None, tokens, CappaObjective(parallel_prob=0.5), torch.Generator().manual_seed(17)
+        ),
         lambda: autoregressive_io(tokens, BOS, EOS, PAD),
         lambda: sample_t(4, 0.2, 0.6, True, torch.Generator().manual_seed(17), tokens.device),
         lambda: sample_t(4, 0.2, 0.6, False, torch.Generator().manual_seed(17), tokens.device),
@@ -525,6 +558,8 @@ def test_cappa_parallel_rows_are_the_generators_draws_below_the_share():
     u = torch.rand(64, generator=torch.Generator().manual_seed(18))
     share = u[u < 0.5].max().item()
     model = StubModel(random_table(4))
-    _, metrics = autoregressive_loss(model, None, tokens, share, torch.Generator().manual_seed(18))
+    _, metrics = autoregressive_loss(
+        model, None, tokens, CappaObjective(parallel_prob=share), torch.Generator().manual_seed(18)
+    )
     assert torch.equal(~model.calls[0]["causal"], u < share)
     assert metrics["parallel_fraction"].item() == (u < share).float().mean().item()

@@ -6,9 +6,10 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from mdc.config import ObjectiveConfig, OptimConfig
+from mdc.config import OptimConfig
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.models.captioner import Captioner
+from mdc.registry import OBJECTIVES
 from mdc.sampling import generate_autoregressive, sample_masked
 from mdc.scoring import autoregressive_score, monte_carlo_elbo, pseudo_log_likelihood
 from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step, warmup_cosine
@@ -85,7 +86,7 @@ def overfit(data, objective: str, steps: int, lr: float):
             scheduler,
             data["images"],
             data["tokens"],
-            ObjectiveConfig(name=objective),
+            OBJECTIVES[objective].config(),
             grad_clip=1.0,
             generator=generator,
         )["loss"]

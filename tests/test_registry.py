@@ -8,10 +8,12 @@ from typing import get_args
 import pytest
 import torch
 
-from mdc.config import ConfigError, ObjectiveConfig, load_config
+from mdc.config import ConfigError, RunConfig, load_config
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.evaluation import compositionality as comp
-from mdc.objectives.masked import T_MIN
+from mdc.objectives.autoregressive import ArObjective, CappaObjective
+from mdc.objectives.clip import ClipObjective
+from mdc.objectives.masked import T_MIN, BertObjective, CmlmObjective, MdcObjective
 from mdc.registry import MASKED_OBJECTIVES, OBJECTIVES, build_model, compute_loss, write_captions
 from pipelines.worker.validator import validation_objective
 
@@ -28,7 +30,9 @@ def batch():
 
 
 def test_config_accepts_exactly_the_registry_names():
-    assert get_args(ObjectiveConfig.model_fields["name"].annotation) == tuple(OBJECTIVES)
+    members = [get_args(member)[0] for member in get_args(RunConfig.model_fields["objective"].annotation)]
+    assert members == [entry.config for entry in OBJECTIVES.values()]
+    assert [entry.config.model_fields["name"].default for entry in OBJECTIVES.values()] == list(OBJECTIVES)
     assert MASKED_OBJECTIVES == ("mdc", "cmlm", "bert")
     with pytest.raises(ConfigError, match="objective.name"):
         load_config(None, ["objective.name=dalle"])
@@ -48,7 +52,7 @@ def test_every_entry_trains_validates_scores_and_writes(name):
 
     model.eval()
     validation = validation_objective(cfg.objective)
-    assert validation == (cfg.objective if entry.validation is None else ObjectiveConfig(**entry.validation))
+    assert validation == (cfg.objective if entry.validation is None else entry.validation)
     with torch.no_grad():
         assert math.isfinite(
             compute_loss(model, pixels, tokens, validation, torch.Generator().manual_seed(2))[0].item()
@@ -74,12 +78,8 @@ def test_every_entry_trains_validates_scores_and_writes(name):
 
 
 def test_masking_objectives_are_validated_on_one_elbo_whatever_their_schedule():
-    elbo = ObjectiveConfig(name="mdc", omega_l=T_MIN, omega_u=1.0, antithetic=True)
-    for objective in (
-        ObjectiveConfig(name="mdc", omega_l=0.5),
-        ObjectiveConfig(name="cmlm", omega_l=0.2),
-        ObjectiveConfig(name="bert", mask_ratio=0.75),
-    ):
+    elbo = MdcObjective(omega_l=T_MIN, omega_u=1.0, antithetic=True)
+    for objective in (MdcObjective(omega_l=0.5), CmlmObjective(omega_l=0.2), BertObjective(mask_ratio=0.75)):
         assert validation_objective(objective) == elbo
-    assert validation_objective(ObjectiveConfig(name="cappa")) == ObjectiveConfig(name="ar")
-    assert validation_objective(ObjectiveConfig(name="clip")) == ObjectiveConfig(name="clip")
+    assert validation_objective(CappaObjective()) == ArObjective()
+    assert validation_objective(ClipObjective()) == ClipObjective()

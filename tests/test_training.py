@@ -7,8 +7,10 @@ import warnings
 import pytest
 import torch
 
-from mdc.config import ConfigError, ObjectiveConfig, OptimConfig, dump_config, load_config
+from mdc.config import ConfigError, OptimConfig, dump_config, load_config
 from mdc.models.captioner import Captioner
+from mdc.objectives.autoregressive import ArObjective
+from mdc.objectives.masked import BertObjective, MdcObjective
 from mdc.registry import compute_loss
 from mdc.train import fsdp
 from mdc.train.checkpoint import full_weights
@@ -56,7 +58,7 @@ def optimiser_for(model, sgd=False):
     return optimizer, build_scheduler(optimizer, 0, 100)
 
 
-@pytest.mark.parametrize("objective", [ObjectiveConfig(name="bert", mask_ratio=1.0), ObjectiveConfig(name="ar")])
+@pytest.mark.parametrize("objective", [BertObjective(mask_ratio=1.0), ArObjective()])
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_two_micro_batches_of_8_step_like_one_batch_of_16(objective, fsdp):
     """Objectives without noise (BERT masking every token, AR), so both see the same draws."""
@@ -82,7 +84,7 @@ def test_a_batch_that_does_not_split_is_refused():
     model = tiny_model()
     optimizer, scheduler = optimiser_for(model)
     with pytest.raises(ValueError, match="12 does not split into 8"):
-        train_step(model, optimizer, scheduler, *batch(12), ObjectiveConfig(), 1.0, micro_batches=8)
+        train_step(model, optimizer, scheduler, *batch(12), MdcObjective(), 1.0, micro_batches=8)
 
 
 def test_a_global_batch_is_whole_micro_batches_and_any_group_size_keeps_it():
@@ -112,7 +114,7 @@ def test_an_elastic_range_is_a_list_in_yaml_and_must_be_ordered(tmp_path):
         load_config(None, ["workers.count=[3,2]"])
 
 
-def loss_and_grads(model, objective=ObjectiveConfig()):
+def loss_and_grads(model, objective=MdcObjective()):
     images, tokens = batch(4)
     loss, _ = compute_loss(model, images, tokens, objective, torch.Generator().manual_seed(3))
     loss.backward()
@@ -153,7 +155,7 @@ def test_compiled_blocks_train_like_eager():
                 scheduler,
                 images,
                 tokens,
-                ObjectiveConfig(),
+                MdcObjective(),
                 1.0,
                 generator=torch.Generator().manual_seed(step),
             )["loss"]
@@ -182,7 +184,7 @@ def test_bf16_compute_keeps_optimiser_ema_and_export_in_float32():
         optimizer,
         scheduler,
         *batch(4),
-        ObjectiveConfig(),
+        MdcObjective(),
         1.0,
         generator=torch.Generator().manual_seed(0),
         ema=ema,

@@ -7,9 +7,27 @@ teacher forcing adds them here.
 
 from __future__ import annotations
 
-import torch
+from typing import ClassVar, Literal
 
+import torch
+from pydantic import Field
+
+from mdc.objectives.base import ObjectiveSection
 from mdc.objectives.positions import position_nll, projected
+
+
+class ArObjective(ObjectiveSection):
+    """Cap: next-token prediction only, no parallel rows."""
+
+    name: Literal["ar"] = "ar"
+    parallel_prob: ClassVar[float] = 0.0
+
+
+class CappaObjective(ObjectiveSection):
+    name: Literal["cappa"] = "cappa"
+    parallel_prob: float = Field(
+        0.75, ge=0.0, le=1.0, description="share of captions trained by parallel prediction from all-[MASK] inputs"
+    )
 
 
 def autoregressive_io(tokens: torch.Tensor, bos_id: int, eos_id: int, pad_id: int):
@@ -23,13 +41,13 @@ def autoregressive_io(tokens: torch.Tensor, bos_id: int, eos_id: int, pad_id: in
     return inputs, targets
 
 
-def autoregressive_loss(model, images, tokens, parallel_prob: float = 0.0, generator=None):
-    """Cap (parallel_prob = 0) and CapPa: per example, with probability `parallel_prob`, the input
+def autoregressive_loss(model, images, tokens, objective: ArObjective | CappaObjective, generator=None):
+    """Cap and CapPa: per example, with probability `objective.parallel_prob` (Cap: 0), the input
     is [MASK] at every position, pads included, and attention is bidirectional (parallel prediction,
     as big_vision's CapPa): with no pad to hide, the input does not reveal the caption's length. The
     loss counts the caption tokens and EOS either way."""
     inputs, targets = autoregressive_io(tokens, model.bos_id, model.eos_id, model.pad_id)
-    parallel = torch.rand(tokens.shape[0], generator=generator, device=tokens.device) < parallel_prob
+    parallel = torch.rand(tokens.shape[0], generator=generator, device=tokens.device) < objective.parallel_prob
     real = targets != model.pad_id
     inputs = torch.where(parallel[:, None], model.mask_id, inputs)
     logits = model(images, inputs, causal=~parallel, where=projected(real))

@@ -3,8 +3,18 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
+
+from mdc.objectives.base import ObjectiveSection
+
+
+class CdlmObjective(ObjectiveSection):
+    """CLIP-Diffusion-LM has no setting of its own: t ~ U[0, 1]."""
+
+    name: Literal["cdlm"] = "cdlm"
 
 
 def continuous_diffusion_loss(model, images, tokens, generator=None):

@@ -3,8 +3,18 @@ cross-entropy, learned temperature) over the local batch of a `mdc.models.clip.C
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from open_clip.loss import ClipLoss
+
+from mdc.objectives.base import ObjectiveSection
+
+
+class ClipObjective(ObjectiveSection):
+    """CLIP has no setting of its own."""
+
+    name: Literal["clip"] = "clip"
 
 
 def clip_loss(model, images, tokens):

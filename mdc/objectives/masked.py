@@ -14,9 +14,14 @@ has unbounded variance as t → 0, and the interval below ε holds a share ε of
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import ClassVar, Literal
+
 import torch
+from pydantic import Field, model_validator
 
 from mdc import ddcap
+from mdc.objectives.base import ObjectiveSection
 from mdc.objectives.positions import position_nll, projected
 
 T_MIN = 1e-3  # the smallest noise level the ELBO estimators draw (MDLM's sampling_eps)
@@ -59,45 +64,95 @@ def mask_tokens(
     return torch.where(masked, mask_id, tokens), masked
 
 
-def masked_diffusion_loss(
-    model,
-    images,
-    tokens,
-    kind: str,
-    omega_l=0.5,
-    omega_u=1.0,
-    antithetic=True,
-    mask_ratio=0.15,
-    generator=None,
-    image_free_prob=0.0,
-):
-    """`mdc`: the ELBO, 1/t-weighted, normalised by non-pad tokens, nothing forced; `cmlm`: same
-    t, the weight dropped, mean over masked tokens; `bert`: a fixed ratio instead of a sampled t,
-    mean over masked tokens. The two means need a masked token per caption, so theirs is forced.
+class MaskedObjective(ObjectiveSection, ABC):
+    """The masked family: what its members differ in is how t is drawn (`noise_levels`) and how the
+    per-token losses make the loss (`reduce`); this default, the mean over masked tokens, needs a
+    masked token per caption, so one is forced (`force_one`)."""
 
-    DDCap switches (mdc/ddcap.py): with `image_free_prob` that share of captions is trained against
-    the learned null image; a model with a length head adds the length cross-entropy."""
+    force_one: ClassVar[bool] = True
+    image_free_prob: float = Field(
+        0.0, ge=0.0, lt=1.0, description="DDCap: share of captions trained with the learned null image instead of V"
+    )
+
+    @property
+    def null_image(self) -> bool:
+        return self.image_free_prob > 0
+
+    @abstractmethod
+    def noise_levels(self, n: int, generator: torch.Generator | None, device) -> torch.Tensor:
+        """(n,) masking rates t, one per caption."""
+
+    def reduce(self, nll: torch.Tensor, t: torch.Tensor, count: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """The loss of per-position NLLs (B, L) (0 where not masked): their mean over the `count`
+        masked tokens (`real`: the batch's non-pad tokens)."""
+        return nll.sum() / count
+
+
+class _SampledT(MaskedObjective):
+    """t ~ U[max(ω_l, T_MIN), ω_u] per caption, stratified by default."""
+
+    omega_l: float = Field(0.5, ge=0.0, le=1.0, description="t's interval, low end (T_MIN at least)")
+    omega_u: float = Field(1.0, ge=0.0, le=1.0, description="t's interval, high end")
+    antithetic: bool = Field(True, description="one t per stratum of the interval (MDLM): a lower-variance loss")
+
+    @model_validator(mode="after")
+    def _schedule(self):
+        if self.omega_l >= self.omega_u:
+            raise ValueError(f"omega_l must be < omega_u, got {self.omega_l} >= {self.omega_u}")
+        return self
+
+    def noise_levels(self, n, generator, device):
+        return sample_t(n, max(self.omega_l, T_MIN), self.omega_u, self.antithetic, generator, device)
+
+
+class MdcObjective(_SampledT):
+    """The ELBO: 1/t-weighted, normalised by non-pad tokens, nothing forced (it would bias it)."""
+
+    name: Literal["mdc"] = "mdc"
+    force_one: ClassVar[bool] = False
+
+    def reduce(self, nll, t, count, real):
+        return ((1.0 / t)[:, None] * nll).sum() / real
+
+
+class CmlmObjective(_SampledT):
+    """MDC's "no t" ablation: the same t, the weight dropped, the mean over masked tokens."""
+
+    name: Literal["cmlm"] = "cmlm"
+
+
+class BertObjective(MaskedObjective):
+    """Image-conditioned BERT: a fixed ratio instead of a sampled t, the mean over masked tokens."""
+
+    name: Literal["bert"] = "bert"
+    mask_ratio: float = Field(0.15, gt=0.0, le=1.0, description="the share of tokens masked")
+
+    def noise_levels(self, n, generator, device):
+        return torch.full((n,), float(self.mask_ratio), device=device)
+
+
+def masked_diffusion_loss(model, images, tokens, objective: MaskedObjective, generator=None):
+    """(loss, metrics) of one batch under a masked objective's config, which draws t and reduces the
+    per-token losses. DDCap switches (mdc/ddcap.py): with `image_free_prob` that share of captions
+    is trained against the learned null image; a model with a length head adds the length
+    cross-entropy."""
     b = tokens.shape[0]
-    if kind == "bert":
-        t = torch.full((b,), float(mask_ratio), device=tokens.device)
-    else:
-        t = sample_t(b, max(omega_l, T_MIN), omega_u, antithetic, generator, tokens.device)
-    noisy, masked = mask_tokens(tokens, t, model.mask_id, model.pad_id, generator, force_one=kind != "mdc")
+    t = objective.noise_levels(b, generator, tokens.device)
+    noisy, masked = mask_tokens(tokens, t, model.mask_id, model.pad_id, generator, force_one=objective.force_one)
     ddcap_options = {}
-    if image_free_prob > 0:
-        ddcap_options["image_free"] = torch.rand(b, generator=generator, device=tokens.device) < image_free_prob
+    if objective.image_free_prob > 0:
+        ddcap_options["image_free"] = (
+            torch.rand(b, generator=generator, device=tokens.device) < objective.image_free_prob
+        )
     if getattr(model, "length_head", None) is not None:
         ddcap_options["return_length"] = True
     out = model(images, noisy, t=t, causal=False, where=projected(masked), **ddcap_options)
     logits, length_logits = out if "return_length" in ddcap_options else (out, None)
     nll = position_nll(logits, tokens, masked)  # (B, L), 0 where not masked
-    count = masked.sum()
-    if kind == "mdc":
-        loss = ((1.0 / t)[:, None] * nll).sum() / (tokens != model.pad_id).sum()
-    else:
-        loss = nll.sum() / count
+    count, real = masked.sum(), (tokens != model.pad_id).sum()
+    loss = objective.reduce(nll, t, count, real)
     metrics = {
-        "masked_fraction": count / (tokens != model.pad_id).sum(),
+        "masked_fraction": count / real,
         "nll_masked": nll.detach().sum() / count.clamp(min=1),
     }
     if length_logits is not None:

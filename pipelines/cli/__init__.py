@@ -7,6 +7,7 @@ from __future__ import annotations
 import typer
 
 from pipelines.cli import runs
+from pipelines.cli.config import config_app
 from pipelines.cli.data import data_app
 from pipelines.cli.evaluate import eval_app
 from pipelines.cli.export import export_command
@@ -14,6 +15,7 @@ from pipelines.cli.export import export_command
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 app.add_typer(data_app, name="data")
 app.add_typer(eval_app, name="eval")
+app.add_typer(config_app, name="config")
 EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}  # `section.key=value` overrides
 app.command(context_settings=EXTRA_ARGS)(runs.train)
 app.command(context_settings=EXTRA_ARGS)(runs.tune)

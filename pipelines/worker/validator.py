@@ -16,8 +16,8 @@ def validation_objective(objective: ObjectiveConfig) -> ObjectiveConfig:
     objective (whatever its training schedule or ratio) the masked-diffusion ELBO over t ∈ [T_MIN, 1]
     per non-pad token, estimated without bias (mdc/objectives/masked.py); exact NLL for AR ones; the
     baselines outside the family (clip, cdlm) are validated on their own loss."""
-    fields = registry.objective(objective.name).validation
-    return objective if fields is None else ObjectiveConfig(**fields)
+    validation = registry.objective(objective.name).validation
+    return objective if validation is None else validation
 
 
 class Validator:
