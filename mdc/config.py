@@ -417,5 +417,21 @@ def derive(cfg: RunConfig, overrides: Mapping[str, Any] | Sequence[str] = ()) ->
     return build_config(raw, source=f"derived from {cfg.name}")
 
 
+def load_exported_config(path: str | Path) -> RunConfig:
+    """The config.yaml exported beside a checkpoint's weights, also one written before the config
+    had a section per component and a config per objective: a checkpoint outlives the version
+    that wrote it, so its old paths are read at their new places (a user's file is refused instead)."""
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    for old, new in MOVED.items():
+        (section, field), (to, key) = old.split("."), new.split(".")
+        if isinstance(raw.get(section), dict) and field in raw[section]:
+            raw.setdefault(to, {})[key] = raw[section].pop(field)
+    objective = raw.get("objective")
+    if isinstance(objective, dict) and objective.get("name") in OBJECTIVES:  # the flat union: every field
+        fields = OBJECTIVES[objective["name"]].config.model_fields
+        raw["objective"] = {k: v for k, v in objective.items() if k in fields}
+    return build_config(raw, source=str(path))
+
+
 def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(), sort_keys=False)

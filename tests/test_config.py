@@ -1,7 +1,18 @@
 import pytest
+import yaml
 from typer.testing import CliRunner
 
-from mdc.config import DEFAULT_CONFIG, MOVED, ConfigError, RunConfig, build_config, derive, dump_config, load_config
+from mdc.config import (
+    DEFAULT_CONFIG,
+    MOVED,
+    ConfigError,
+    RunConfig,
+    build_config,
+    derive,
+    dump_config,
+    load_config,
+    load_exported_config,
+)
 from pipelines.cli import app
 
 
@@ -158,3 +169,39 @@ def test_config_show_lists_an_objectives_own_fields():
     assert "objective.mask_ratio: float = 0.15" in every and "objective.name=clip" in every
     unknown = CliRunner().invoke(app, ["config", "show", "--objective", "gpt"])
     assert unknown.exit_code == 2 and "unknown objective 'gpt'" in unknown.output
+
+
+def test_a_config_exported_by_the_version_before_the_sections_still_loads(tmp_path):
+    """An export's config.yaml as the flat config dumped it (every objective field, train.* for the
+    workers, checkpoints and compile) reads as today's sections and the objective's own fields."""
+    old = {
+        "name": "old-run",
+        "objective": {
+            "name": "bert",
+            "omega_l": 0.5,
+            "omega_u": 1.0,
+            "antithetic": True,
+            "mask_ratio": 0.3,
+            "parallel_prob": 0.75,
+            "image_free_prob": 0.0,
+        },
+        "train": {
+            "steps": 40,
+            "batch_size": 8,
+            "num_workers": [1, 4],
+            "checkpoint_every": 10,
+            "val_every": 20,
+            "compile": True,
+            "use_gpu": False,
+            "cpus_per_worker": 1.0,
+            "global_batch_size": 32,
+        },
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old))
+    cfg = load_exported_config(path)
+    assert cfg.objective.model_dump() == {"name": "bert", "image_free_prob": 0.0, "mask_ratio": 0.3}
+    assert (cfg.train.steps, cfg.workers.count, cfg.checkpoint.every, cfg.validation.every) == (40, (1, 4), 10, 20)
+    assert cfg.compute.compile and cfg.workers.cpus == 1.0 and cfg.global_batch == 32
+    with pytest.raises(ConfigError, match=r"train\.\w+ is now \w+\.\w+$"):
+        load_config(path)  # a file the user wrote is told the new paths instead

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from mdc.config import load_config
+from mdc.config import load_exported_config
 from mdc.data import storage
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.registry import build_model
@@ -304,7 +304,7 @@ def load_pretrained(
     for name in (WEIGHTS, CONFIG):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"{directory / name} is missing: not an exported mdc checkpoint")
-    cfg = load_config(directory / CONFIG)
+    cfg = load_exported_config(directory / CONFIG)
     model = build_model(cfg, CaptionTokenizer)
     model.load_state_dict(load_file(str(directory / WEIGHTS), device=device))
     return model.to(device).eval(), cfg
