@@ -29,13 +29,15 @@ def step_times(cfg, run_dir: str, steps: int, every: int) -> list[float]:
     model, optimizer, scheduler, (images, tokens) = training_setup(
         cfg.model.preset, 16, "cpu", False, True, False, False
     )
-    checkpointer = Checkpointer(cfg, run_dir, 0, model, optimizer, scheduler, None)
+    checkpointer = Checkpointer(
+        cfg, run_dir, 0, model=model, optimizer=optimizer, ema=None, states={"scheduler": scheduler}
+    )
     times = []
     for step in range(1, steps + 1):
         start = time.perf_counter()
-        metrics = train_step(model, optimizer, scheduler, images, tokens, MdcObjective(), 1.0)
+        train_step(model, optimizer, scheduler, images, tokens, MdcObjective(), 1.0)
         if step % every == 0:
-            checkpointer.save({"step": step, "epoch": 0, "metrics": metrics}, {})
+            checkpointer.save(step)
         times.append(time.perf_counter() - start)
     if checkpointer.background is not None:
         checkpointer.background.wait()

@@ -100,10 +100,10 @@ def step_objectives(preset: str, work: Path) -> dict:
         )
         uri = ckpt.checkpoint_dir(str(work / case), 1)
         stage = Path(tempfile.mkdtemp(dir=work))
-        ckpt.stage_training_state(stage, model, optimizer, scheduler, ema, {"step": 1, "epoch": 0}, {}, rank=0)
+        ckpt.stage_training_state(stage, model, optimizer, ema, {"scheduler": scheduler}, rank=0)
         ckpt.commit(uri, 1, ckpt.upload_shard(stage, uri), 0)
         _, fresh, fresh_opt, fresh_sched, fresh_ema = bf16_model(overrides + ["train.seed=5"], preset)
-        ckpt.load_training_state(uri, fresh, fresh_opt, fresh_sched, fresh_ema, rank=0)
+        ckpt.load_training_state(uri, fresh, fresh_opt, fresh_ema, {"scheduler": fresh_sched})
         restored = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), fresh.parameters()))
         moments = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
         dtypes = {

@@ -66,8 +66,8 @@ class DataPosition:
         return {STATE_KEY: {**asdict(self), "consumed": list(self.consumed), "partial": partial}}
 
     @classmethod
-    def from_state(cls, extra_state: dict) -> DataPosition | None:
-        raw = extra_state.get(STATE_KEY)
+    def from_state(cls, state: dict) -> DataPosition | None:
+        raw = state.get(STATE_KEY)
         if raw is None:
             return None
         partial = {int(k): v for k, v in raw.get("partial", {}).items()}

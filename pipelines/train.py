@@ -158,7 +158,7 @@ def _train(
             torch_config=TorchConfig(backend="nccl" if cfg.workers.use_gpu else "gloo"),
         )
         try:
-            trainer.fit()
+            result = trainer.fit()
         except Exception as err:
             tracking.finish_run(mlflow_uri, run_id, "FAILED")
             stall = next(
@@ -168,7 +168,17 @@ def _train(
                 raise DataStallError(str(stall.args[0] if stall.args else stall)) from None
             raise
         online = _online_results(cfg, evaluator, driver)
-        return _finish(cfg, mlflow_uri, run_id, run_dir, ray.get(actors.bad_records.get.remote()), driver, online)
+        bad_records = ray.get(actors.bad_records.get.remote())
+        return _finish(cfg, mlflow_uri, run_id, run_dir, final_metrics(result), bad_records, driver, online)
+
+
+def final_metrics(result: ray.train.Result) -> dict:
+    """The run's final metrics: rank 0's last report, which `train_loop` returns. Not
+    `Result.metrics`: Ray Train V2 fills that only from reports that carried a checkpoint, and mdc
+    hands Ray none (pipelines/worker/checkpointer.py). The return value is the one of the group that
+    finished, so it holds after a worker-group restart; a relaunched finished run returns the last
+    report of the checkpoint it restored."""
+    return result.return_value
 
 
 def scaling_config(workers: WorkersConfig) -> ray.train.ScalingConfig:
@@ -275,6 +285,7 @@ def _finish(
     mlflow_uri: str,
     run_id: str,
     run_dir: str,
+    metrics: dict,
     bad_records: dict,
     driver: progress.Reporter,
     online: list[dict],
@@ -293,7 +304,4 @@ def _finish(
         cfg.train.steps,
     )
     tracking.finish_run(mlflow_uri, run_id)
-    final = ckpt.checkpoint_dir(run_dir, cfg.train.steps)
-    return TrainSummary(
-        cfg.name, run_id, final, ckpt.read_trainer_state(final, cfg.data.endpoint_url)["metrics"], bad_records, online
-    )
+    return TrainSummary(cfg.name, run_id, ckpt.checkpoint_dir(run_dir, cfg.train.steps), metrics, bad_records, online)

@@ -32,25 +32,45 @@ def train_a_step(model, optimizer, scheduler, ema):
     ema.update(model)
 
 
+class Known:
+    """A stand-in component whose checkpoint state is what a test gives it."""
+
+    def __init__(self, state: dict | None = None):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+def components(state, progress: dict) -> tuple[tuple, dict]:
+    """(model, optimizer, ema) for DCP, and the small states: the scheduler and a stand-in."""
+    model, optimizer, scheduler, ema = state
+    return (model, optimizer, ema), {"scheduler": scheduler, "progress": Known(progress)}
+
+
 def save(run_dir, step, state, extra=None, endpoint=None, commit=True, tmp_path=None):
     uri = ckpt.checkpoint_dir(run_dir, step)
     local = Path(tmp_path or "/tmp") / f"stage-{step}-{id(state)}"
     local.mkdir()
-    ckpt.stage_training_state(local, *state, {"step": step, "epoch": 0}, extra or {}, rank=0)
+    parts, states = components(state, {"step": step, **(extra or {})})
+    ckpt.stage_training_state(local, *parts, states, rank=0)
     written = ckpt.upload_shard(local, uri, endpoint)
     if commit:
         ckpt.commit(uri, step, written, 0, endpoint)
     return uri
 
 
-def test_round_trip_restores_everything_and_extra_state(tmp_path):
+def test_round_trip_restores_everything_and_every_component(tmp_path):
     state = make_state(0)
     train_a_step(*state)
     uri = save(str(tmp_path / "run"), 1, state, extra={"shard_offset": 17}, tmp_path=tmp_path)
     fresh = make_state(1)
-    trainer_state, extra = ckpt.load_training_state(uri, *fresh, rank=0)
-    assert trainer_state == {"step": 1, "epoch": 0}
-    assert extra == {"shard_offset": 17}
+    parts, states = components(fresh, {})
+    ckpt.load_training_state(uri, *parts, states)
+    assert states["progress"].state == {"step": 1, "shard_offset": 17}
     for a, b in zip(state[0].parameters(), fresh[0].parameters()):
         assert torch.equal(a, b)
     assert torch.equal(state[1].state_dict()["state"][0]["exp_avg"], fresh[1].state_dict()["state"][0]["exp_avg"])
@@ -110,8 +130,10 @@ def test_checkpoints_in_s3(s3_server, tmp_path):
     assert chosen == first == f"{run_dir}/checkpoint_00000001"
     assert len(skipped) == 1 and "checkpoint_00000002" in skipped[0]
     fresh = make_state(1)
+    parts, states = components(fresh, {})
     with ckpt.local_copy(chosen, endpoint) as directory:
-        assert ckpt.load_training_state(directory, *fresh, rank=0)[0]["step"] == 1
+        ckpt.load_training_state(directory, *parts, states)
+    assert states["progress"].state == {"step": 1} and ckpt.marked_step(chosen, endpoint) == 1
     assert torch.equal(state[0][0].weight, fresh[0][0].weight)
     ckpt.prune(run_dir, 1, keep=1, endpoint_url=endpoint)
     assert not any("checkpoint_00000002" in k for k in storage.list_files(run_dir, (), endpoint))
@@ -124,7 +146,7 @@ def test_a_checkpoint_finished_in_the_background_is_complete_after_wait(tmp_path
     uri = ckpt.checkpoint_dir(run_dir, 5)
     local = tmp_path / "stage"
     local.mkdir()
-    ckpt.stage_training_state(local, *state, {"step": 5, "epoch": 0}, {}, rank=0)
+    ckpt.stage_training_state(local, *components(state, {"step": 5})[0], {}, rank=0)
     released, ran_in = threading.Event(), []
 
     def finish():  # held until the caller has got control back: a synchronous submit would wait here in vain
@@ -141,3 +163,43 @@ def test_a_checkpoint_finished_in_the_background_is_complete_after_wait(tmp_path
     background.submit(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         background.wait()
+
+
+def checkpointer(run_dir: str, state, states: dict, *overrides: str):
+    from mdc.config import load_config
+    from pipelines.worker.checkpointer import Checkpointer
+
+    cfg = load_config(None, ["train.steps=10", "checkpoint.every=2", *overrides])
+    model, optimizer, scheduler, ema = state
+    states = {"scheduler": scheduler, **states}
+    return Checkpointer(cfg, run_dir, 0, model=model, optimizer=optimizer, ema=ema, states=states)
+
+
+@pytest.mark.parametrize("background", ["false", "true"])
+def test_the_checkpointer_restores_every_component_it_was_given(tmp_path, background):
+    """Given its components once, the checkpointer saves each one's state and restores each into a
+    fresh run's, and says where from; a run with no checkpoint loads nothing."""
+    run_dir, option = str(tmp_path / "run"), f"checkpoint.background={background}"
+    state = make_state(0)
+    train_a_step(*state)
+    progress, data = Known({"step": 4, "workers": 2}), Known({"epoch": 1, "consumed": [0, 3]})
+    checkpointer(run_dir, state, {"train_state": progress, "data": data}, option).save(4, wait=True)
+
+    fresh = make_state(1)
+    restored = {"train_state": Known(), "data": Known()}
+    assert checkpointer(run_dir, fresh, restored, option).restore() == ckpt.checkpoint_dir(run_dir, 4)
+    assert {name: c.state for name, c in restored.items()} == {"train_state": progress.state, "data": data.state}
+    assert fresh[2].last_epoch == state[2].last_epoch == 1
+    for a, b in zip(state[0].parameters(), fresh[0].parameters()):
+        assert torch.equal(a, b)
+
+    untouched = Known({"step": 0})
+    assert checkpointer(str(tmp_path / "other"), make_state(2), {"train_state": untouched}).restore() is None
+    assert untouched.state == {"step": 0}
+
+
+def test_a_component_the_checkpoint_has_no_state_for_is_an_error(tmp_path):
+    run_dir, state = str(tmp_path / "run"), make_state(0)
+    checkpointer(run_dir, state, {"train_state": Known({"step": 2})}).save(2)
+    with pytest.raises(KeyError, match="no state for data"):
+        checkpointer(run_dir, make_state(1), {"train_state": Known(), "data": Known()}).restore()

@@ -48,6 +48,7 @@ def dealt_steps(blocks: int, k: int, w: int) -> list[list[tuple[range, list[int]
             seed=0,
             rank=rank,
             deal=deal,
+            device="cpu",
         )
         ranks.append([(part.chunks, [int(b["id"]) for b in part.blocks]) for part in cursor.batches()])
     return ranks

@@ -148,7 +148,8 @@ def resumed_from(cfg, run_id) -> list[float]:
 
 def test_worker_killed_after_a_checkpoint_resumes_from_it(ray_cluster, shapes_dir, tmp_path):
     """Rank 1 dies once checkpoint 6 is complete but before it is reported (where Ray Train's own
-    record of it is lost): the restarted group resumes at 6, no step is repeated."""
+    record of it is lost): the restarted group resumes at 6, no step is repeated, and the run's
+    final metrics are its last report, also when the finished run is launched again."""
     cfg = fault_config(tmp_path, "after-ckpt", shapes_dir, max_failures=1)
     cfg.data.augment = "crop"  # augmented batches go through the same resume
     summary = run_training(cfg, callbacks=[Fault(step=6, rank=1, marker=str(tmp_path / "fired"), at="committed")])
@@ -158,6 +159,10 @@ def test_worker_killed_after_a_checkpoint_resumes_from_it(ray_cluster, shapes_di
     assert resumed_from(cfg, summary.mlflow_run_id) == [6]
     tags = MlflowClient(cfg.mlflow_uri).get_run(summary.mlflow_run_id).data.tags
     assert tags["resumed_from"] == str(tmp_path / "ckpt" / "after-ckpt" / "checkpoint_00000006")
+    # the final metrics come from Ray Train's Result: the restarted group's last report (step 8's)
+    assert summary.metrics["loss"] == pytest.approx(dict(metric_steps(cfg, summary.mlflow_run_id))[8])
+    again = run_training(cfg)  # relaunched once finished: it trains nothing and hands back the same
+    assert again.metrics == summary.metrics
 
 
 def test_worker_killed_mid_checkpoint_resumes_from_the_previous_one(ray_cluster, shapes_dir, tmp_path):

@@ -80,10 +80,10 @@ def test_bf16_policy_trains_validates_scores_writes_and_checkpoints(case, tmp_pa
     uri = ckpt.checkpoint_dir(str(tmp_path / "run"), 1)
     local = tmp_path / "stage"
     local.mkdir()
-    ckpt.stage_training_state(local, model, optimizer, scheduler, ema, {"step": 1, "epoch": 0}, {}, rank=0)
+    ckpt.stage_training_state(local, model, optimizer, ema, {"scheduler": scheduler}, rank=0)
     ckpt.commit(uri, 1, ckpt.upload_shard(local, uri), 0)
     _, fresh, fresh_optimizer, fresh_scheduler, fresh_ema = bf16_run(CASES[case] + ["train.seed=5"])
-    ckpt.load_training_state(uri, fresh, fresh_optimizer, fresh_scheduler, fresh_ema, rank=0)
+    ckpt.load_training_state(uri, fresh, fresh_optimizer, fresh_ema, {"scheduler": fresh_scheduler})
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a.to_local(), b.to_local())
     weights = ckpt.full_weights(fresh, fresh_ema)

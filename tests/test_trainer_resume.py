@@ -111,3 +111,19 @@ def test_a_reclaim_notice_saves_a_checkpoint_at_the_next_logged_step_once(gloo_p
     resumed = local_trainer(tmp_path, 10, 2)
     resumed.restore()
     assert resumed.step == 4
+
+
+def test_the_final_metrics_are_the_last_report_also_for_a_relaunch_of_a_finished_run(gloo_process_group, tmp_path):
+    """What `train_loop` hands the driver (`Result.return_value`): the last report; a run launched
+    again once finished restores its final checkpoint, trains and reports nothing, and hands back
+    the same metrics, from the trainer's checkpoint state."""
+    first = local_trainer(tmp_path, 4, 2, "checkpoint.every=2")
+    first.restore()
+    first.train()
+    assert first.reported == first.session.reports[-1] and first.reported["step"] == 4
+
+    again = local_trainer(tmp_path, 4, 2, "checkpoint.every=2")
+    again.restore()
+    again.train()
+    assert again.step == 4 and again.session.reports == []
+    assert again.reported == first.reported

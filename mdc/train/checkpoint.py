@@ -2,8 +2,9 @@
 
 Training state is a `torch.distributed.checkpoint` (DCP) directory in the run's storage,
 `RUN_DIR/checkpoint_XXXXXXXX` (local or S3): every rank writes its own shard of the model,
-optimiser and EMA state (plus `extra_rank<R>.json`, state of its own such as a data position),
-and rank 0 writes `trainer_state.json` (step, epoch, scheduler, that step's metrics). A checkpoint is *complete* only
+optimiser and EMA state, and rank 0 writes `states.json`, the state of every other component the
+checkpointer was given (a `Stateful`: the trainer's progress, the scheduler, the data position).
+A checkpoint is *complete* only
 once every rank's files are in place and rank 0 has written `complete.json` after them, listing
 every file with its size and CRC-32: a directory without it (a worker died while saving) or whose
 files do not match it (damaged) is never resumed from; `newest_complete` picks the newest one that
@@ -23,8 +24,10 @@ import re
 import shutil
 import tempfile
 import zlib
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 import pyarrow.fs as pafs
 import torch
@@ -43,7 +46,7 @@ from mdc.data import storage
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.registry import build_model
 
-TRAINER_STATE = "trainer_state.json"
+STATES = "states.json"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.yaml"
 MARKER = "complete.json"
@@ -55,8 +58,16 @@ def checkpoint_dir(run_dir: str, step: int) -> str:
     return storage.join(run_dir, f"checkpoint_{step:08d}")
 
 
-def _extra_name(rank: int) -> str:
-    return f"extra_rank{rank}.json"
+class Stateful(Protocol):
+    """A component with checkpoint state of its own, small and JSON-able (what is large and
+    sharded, model, optimiser and EMA, goes through DCP instead). `state_dict` is called on every
+    rank at a save, so it may be a collective; rank 0's is saved, and every rank of the group that
+    resumes loads it: a component's state is the group's, never one rank's, so that it restores on
+    any number of workers."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def _state(model, optimizer, ema) -> dict:
@@ -68,15 +79,15 @@ def _state(model, optimizer, ema) -> dict:
 
 
 def stage_training_state(
-    directory: str | Path, model, optimizer, scheduler, ema, trainer_state: dict, extra_state: dict, rank: int
+    directory: str | Path, model, optimizer, ema, states: Mapping[str, Stateful], rank: int
 ) -> None:
-    """Collective: every rank writes its shard into its own local `directory` (rank 0 also the
-    DCP metadata and trainer_state.json); `upload_shard` then moves them into the run's storage."""
+    """Collective: every rank writes its DCP shard into its own local `directory` and gathers the
+    `states` (rank 0 also writes the DCP metadata and states.json); `upload_shard` then moves
+    them into the run's storage."""
     dcp.save(_state(model, optimizer, ema), checkpoint_id=str(directory))
-    Path(directory, _extra_name(rank)).write_text(json.dumps(extra_state))
+    saved = {name: component.state_dict() for name, component in states.items()}
     if rank == 0:
-        payload = {**trainer_state, "scheduler": scheduler.state_dict()}
-        Path(directory, TRAINER_STATE).write_text(json.dumps(payload))
+        Path(directory, STATES).write_text(json.dumps(saved))
 
 
 def upload_shard(local_dir: str | Path, uri: str, endpoint_url: str | None = None) -> dict[str, dict]:
@@ -213,23 +224,25 @@ def local_copy(uri: str, endpoint_url: str | None = None):
         yield directory
 
 
-def read_trainer_state(uri: str, endpoint_url: str | None = None) -> dict:
-    """Step, epoch, scheduler and the metrics of the step a checkpoint was saved at."""
-    return json.loads(storage.read_bytes(storage.join(uri, TRAINER_STATE), endpoint_url))
+def marked_step(uri: str, endpoint_url: str | None = None) -> int:
+    """The step checkpoint `uri` was saved at, as its completion marker says."""
+    return json.loads(storage.read_bytes(storage.join(uri, MARKER), endpoint_url))["step"]
 
 
-def load_training_state(directory: str | Path, model, optimizer, scheduler, ema, rank: int) -> tuple[dict, dict]:
-    """Collective: restores model, optimiser, scheduler and EMA in place; returns (trainer_state,
-    this rank's extra_state, {} when the checkpoint has none for it)."""
+def load_training_state(directory: str | Path, model, optimizer, ema, states: Mapping[str, Stateful]) -> None:
+    """Collective: restores model, optimiser and EMA, and every component of `states`, in place.
+    A component the checkpoint holds no state for is an error, not a silent fresh start."""
     state = _state(model, optimizer, ema)
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if ema is not None:
         ema.load_state_dict(state["ema"])
-    payload = json.loads(Path(directory, TRAINER_STATE).read_text())
-    scheduler.load_state_dict(payload.pop("scheduler"))
-    extra = Path(directory, _extra_name(rank))
-    return payload, json.loads(extra.read_text()) if extra.is_file() else {}
+    saved = json.loads(Path(directory, STATES).read_text())
+    missing = sorted(states.keys() - saved.keys())
+    if missing:
+        raise KeyError(f"checkpoint {directory} holds no state for {', '.join(missing)}")
+    for name, component in states.items():
+        component.load_state_dict(saved[name])
 
 
 def full_weights(model, ema=None) -> dict[str, torch.Tensor]:

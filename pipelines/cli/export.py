@@ -69,7 +69,7 @@ def checkpoint_facts(checkpoint: str, endpoint_url: str | None) -> dict:
     """The model card's provenance of a checkpoint: where it is, and its step when it says."""
     facts = {"checkpoint": checkpoint}
     try:
-        facts["step"] = ckpt.read_trainer_state(checkpoint, endpoint_url)["step"]
+        facts["step"] = ckpt.marked_step(checkpoint, endpoint_url)
     except (OSError, storage.StorageError, KeyError, ValueError):  # an export copied out of its run
         pass
     return facts

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Mapping
 
 import torch.distributed as dist
 
@@ -14,16 +15,27 @@ from pipelines.worker.callbacks import Callback
 
 
 class Checkpointer:
-    """Saves and restores the training state of `model`, `optimizer`, `scheduler` and `ema` in DCP
-    checkpoints under `run_dir`. Checkpoints are not handed to Ray Train, which records one only
-    once every rank has reported it, so a group that died in between would lose a checkpoint that
-    is already written: the completion marker in storage is the one record of what can be resumed."""
+    """Saves and restores, in checkpoints under `run_dir`, `model`, `optimizer` and `ema` (DCP
+    shards) and each component of `states` (`ckpt.Stateful`, by name: the trainer's progress, the
+    scheduler, the data cursor), which it is given once, here. Checkpoints are not handed to Ray
+    Train, which records one only once every rank has reported it, so a group that died in between
+    would lose a checkpoint that is already written: the completion marker in storage is the one
+    record of what can be resumed."""
 
     def __init__(
-        self, cfg: RunConfig, run_dir: str, rank: int, model, optimizer, scheduler, ema, callbacks: list[Callback] = ()
+        self,
+        cfg: RunConfig,
+        run_dir: str,
+        rank: int,
+        *,
+        model,
+        optimizer,
+        ema,
+        states: Mapping[str, ckpt.Stateful],
+        callbacks: list[Callback] = (),
     ):
         self.cfg, self.run_dir, self.rank, self.endpoint = cfg, run_dir, rank, cfg.data.endpoint_url
-        self.parts = (model, optimizer, scheduler, ema)
+        self.model, self.optimizer, self.ema, self.states = model, optimizer, ema, dict(states)
         self.callbacks = list(callbacks)
         self.background = ckpt.Background() if cfg.checkpoint.background else None  # collective
 
@@ -36,15 +48,15 @@ class Checkpointer:
         evaluated online."""
         return step == self.cfg.train.steps or bool(self.cfg.eval.evaluations_at(step))
 
-    def restore(self) -> tuple[str | None, dict | None, dict]:
-        """Collective. (uri, trainer state, this rank's extra state) of the newest complete
-        checkpoint in the run's storage, loaded into the parts; (None, None, {}) when there is none."""
+    def restore(self) -> str | None:
+        """Collective. Loads the newest complete checkpoint in the run's storage into the model,
+        optimiser, EMA and every component; returns its uri, or None (nothing loaded) when there
+        is none."""
         uri = self._choose()
-        if uri is None:
-            return None, None, {}
-        with ckpt.local_copy(uri, self.endpoint) as directory:
-            state, extra_state = ckpt.load_training_state(directory, *self.parts, self.rank)
-        return uri, state, extra_state
+        if uri is not None:
+            with ckpt.local_copy(uri, self.endpoint) as directory:
+                ckpt.load_training_state(directory, self.model, self.optimizer, self.ema, self.states)
+        return uri
 
     def _choose(self) -> str | None:
         """Rank 0 picks the newest complete checkpoint, says which and why, and tells the others."""
@@ -62,24 +74,24 @@ class Checkpointer:
         dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
-    def save(self, trainer_state: dict, extra_state: dict, wait: bool = False) -> None:
-        """Collective. Each rank stages its DCP shard locally and copies it into the run's storage;
-        then rank 0 marks the checkpoint complete and deletes the ones no longer kept. In the
+    def save(self, step: int, wait: bool = False) -> None:
+        """Collective. Each rank stages its DCP shard locally (rank 0 also every component's
+        state) and copies it into the run's storage; then rank 0 marks the checkpoint complete and deletes the ones no longer kept. In the
         background, training resumes once the shards are staged, and the copy and commit finish in
         a thread. The last checkpoint, finished before returning, and those evaluated online also
         carry the exported full weights. `wait`: finished before returning, as the last is (a
         just-in-time checkpoint: its node is about to go)."""
-        step = trainer_state["step"]
         uri, final = ckpt.checkpoint_dir(self.run_dir, step), step == self.cfg.train.steps
-        model, _, _, ema = self.parts
         if self.background is not None:
             self.background.wait()  # one checkpoint in flight at a time
-        weights = ckpt.full_weights(model, ema) if self.exports(step) else None  # collective: every rank calls
+        weights = (
+            ckpt.full_weights(self.model, self.ema) if self.exports(step) else None
+        )  # collective: every rank calls
         if self.rank == 0:
             ckpt.remove(uri, self.endpoint)  # what an interrupted attempt at this step left
         dist.barrier()
         directory = tempfile.mkdtemp(prefix="mdc-checkpoint-")
-        ckpt.stage_training_state(directory, *self.parts, trainer_state, extra_state, self.rank)
+        ckpt.stage_training_state(directory, self.model, self.optimizer, self.ema, self.states, self.rank)
         if weights is not None and self.rank == 0:
             ckpt.export_weights(directory, weights, dump_config(self.cfg))
         if self.background is None:

@@ -13,7 +13,7 @@ from pipelines.position import DataPosition, EpochPlan, ShardTally, resume_point
 from pipelines.worker.args import IngestActors
 from pipelines.worker.deal import BlockDeal
 
-BAD_RECORDS_KEY = "skipped_by_shard"  # rank 0's bad-record counts per shard in a checkpoint's extra state
+BAD_RECORDS_KEY = "skipped_by_shard"  # the bad-record counts per shard in the cursor's checkpoint state
 
 
 @dataclass
@@ -36,7 +36,9 @@ class DataCursor:
     tally and, through the ingest actors, the bad-record counts. `batches` yields one epoch of
     this rank's `StepBlocks` from `source(epoch)`, a stream of one-micro-batch blocks dealt as
     `deal` says (`what` names a step's batch in errors), through a `BatchFeed` that turns a stall
-    into an error and adds up the time spent waiting (`wait_s`). Its checkpoint part is `state`."""
+    into an error and adds up the time spent waiting (`wait_s`). A `ckpt.Stateful`: its checkpoint
+    state is the group's data position (`state_dict`, collective on `device`), which `start` goes
+    on from."""
 
     def __init__(
         self,
@@ -49,12 +51,15 @@ class DataCursor:
         seed: int,
         rank: int,
         deal: BlockDeal,
+        device: torch.device | str,
         what: str = "a batch",
     ):
         self.source, self.feed, self.actors, self.deal, self.what = source, feed, actors, deal, what
         self.shard_list_id, self.num_shards, self.seed, self.rank = shard_list_id, num_shards, seed, rank
+        self.device = device
         self.plan = EpochPlan()
         self.tally = ShardTally(num_shards)
+        self.restored: dict | None = None  # the checkpoint's state, until `start` goes on from it
 
     @property
     def wait_s(self) -> float:
@@ -64,32 +69,31 @@ class DataCursor:
     def epoch(self) -> int:
         return self.plan.epoch
 
-    def start(self, trainer_state: dict | None, extra_state: dict) -> None:
-        """Collective. Where a run that starts from checkpoint `trainer_state` (None: from
-        scratch) goes on: a resumed run continues its checkpoint's epoch from its next row
-        (pipelines/position.py). Rank 0 decides, from its own extra state (so a changed world size
-        cannot make ranks disagree), and sets the ingest actors before any rank may start reading."""
-        plan = [EpochPlan()]
+    def load_state_dict(self, state: dict) -> None:
+        self.restored = state
+
+    def start(self) -> None:
+        """Collective. Where the run goes on: a run restored from a checkpoint (`load_state_dict`)
+        continues its epoch from its next row (pipelines/position.py), otherwise it starts from
+        scratch. Rank 0 decides (every rank holds the same state, but a changed world size must not
+        make ranks disagree) and sets the ingest actors before any rank may start reading."""
+        plan, state = [EpochPlan()], self.restored or {}
         if self.rank == 0:
-            if trainer_state is not None:
+            if self.restored is not None:
                 plan[0], why = resume_point(
-                    DataPosition.from_state(extra_state),
-                    trainer_state["epoch"],
-                    self.seed,
-                    self.shard_list_id,
-                    self.num_shards,
+                    DataPosition.from_state(state), state["epoch"], self.seed, self.shard_list_id, self.num_shards
                 )
-                print(f"[mdc] data position at step {trainer_state['step']}: {why}", flush=True)
+                print(f"[mdc] data position: {why}", flush=True)
             if self.actors is not None:
                 ask(
                     [
                         self.actors.epoch_plan.set.remote(plan[0]),
-                        self.actors.bad_records.restore.remote(extra_state.get(BAD_RECORDS_KEY, {})),
+                        self.actors.bad_records.restore.remote(state.get(BAD_RECORDS_KEY, {})),
                     ],
                     "the ingest actors",
                 )
         dist.broadcast_object_list(plan, src=0)  # also the barrier: the actors are set
-        self.plan = plan[0]
+        self.plan, self.restored = plan[0], None
 
     def batches(self) -> Iterator[StepBlocks]:
         """The rest of the current epoch, a step at a time; ends it (`_end_epoch`) at the first step
@@ -121,11 +125,15 @@ class DataCursor:
             ask(self.actors.epoch_plan.set.remote(self.plan), "the EpochPlanActor")
         dist.barrier()  # no rank reads the next epoch before its plan is set
 
-    def state(self, device) -> dict:
-        """Collective. This cursor's part of a checkpoint's extra state: the data position and, on
-        rank 0, the bad-record counts of shards a relaunched run will not read again."""
-        consumed, partial = self.tally.position(device)
-        extra = DataPosition(self.epoch, self.seed, self.shard_list_id, consumed, partial).to_state()
+    def state_dict(self) -> dict:
+        """Collective. The epoch and the data position of the whole group (each rank's tally
+        summed over ranks) and, on rank 0, the bad-record counts of shards a relaunched run will
+        not read again."""
+        consumed, partial = self.tally.position(self.device)
+        state = {
+            "epoch": self.epoch,
+            **DataPosition(self.epoch, self.seed, self.shard_list_id, consumed, partial).to_state(),
+        }
         if self.rank == 0 and self.actors is not None:
-            extra[BAD_RECORDS_KEY] = ask(self.actors.bad_records.state.remote(), "the BadRecordLedgerActor")
-        return extra
+            state[BAD_RECORDS_KEY] = ask(self.actors.bad_records.state.remote(), "the BadRecordLedgerActor")
+        return state

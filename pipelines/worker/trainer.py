@@ -39,7 +39,8 @@ def param_norm(model) -> float:
 
 class Trainer:
     """Builds and shards the model and its components; `restore` resumes from the newest complete
-    checkpoint, if any, and `train` runs the steps. `session` is Ray Train's (session.RaySession)."""
+    checkpoint, if any, and `train` runs the steps. `session` is Ray Train's (session.RaySession).
+    A `ckpt.Stateful` itself: its checkpoint state is its progress (`state_dict`)."""
 
     def __init__(self, args: WorkerArgs, session):
         cfg, tc = args.cfg, args.cfg.train
@@ -58,9 +59,6 @@ class Trainer:
         self.ema = EMA(self.model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
         online = args.evaluation_queue and EvaluationHandOver(cfg, args.run_dir, args.evaluation_queue)
         self.callbacks = [*args.callbacks, *([online] if online else [])]
-        self.checkpointer = Checkpointer(
-            cfg, args.run_dir, self.rank, self.model, self.optimizer, self.scheduler, self.ema, self.callbacks
-        )
         stall = partial(
             describe_stall,
             cfg.data.train_uri,
@@ -78,6 +76,7 @@ class Trainer:
             seed=tc.seed,
             rank=self.rank,
             deal=self.deal,
+            device=self.device,
             what=f"global batch of {cfg.global_batch} in {cfg.data.train_uri}",
         )
         sinks = (
@@ -90,17 +89,41 @@ class Trainer:
             cfg.validation, session.held_out_batches(), cfg.objective, steps=tc.steps, seed=tc.seed, device=self.device
         )
         self.step, self.val_loss, self.reclaimed_nodes = 0, None, set()
+        self.saved_workers: int | None = None  # the group's size at the checkpoint resumed from
+        self.reported: dict | None = None  # the last report: the run's final metrics once it ends
+        self.checkpointer = Checkpointer(
+            cfg,
+            args.run_dir,
+            self.rank,
+            model=self.model,
+            optimizer=self.optimizer,
+            ema=self.ema,
+            states={"train_state": self, "scheduler": self.scheduler, "data": self.cursor},
+            callbacks=self.callbacks,
+        )
+
+    def state_dict(self) -> dict:
+        """The step, the group's size (a resumed group says when its size changed), the latest
+        validation loss (every report carries it) and the last report (a relaunch of a finished
+        run returns it: `train_loop`)."""
+        return {
+            "step": self.step,
+            "workers": self.session.world_size,
+            "val_loss": self.val_loss,
+            "reported": self.reported,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.saved_workers, self.val_loss = state["step"], state["workers"], state["val_loss"]
+        self.reported = state["reported"]
 
     def restore(self) -> None:
-        """Collective: the checkpoint's weights, step and data position, or a start from scratch."""
-        uri, state, extra_state = self.checkpointer.restore()
-        self.cursor.start(state, extra_state)
+        """Collective: the checkpoint's weights, progress and data position, or a start from scratch."""
+        uri = self.checkpointer.restore()
+        self.cursor.start()
         if uri is not None:
-            self.step = state["step"]
             self.metrics.resumed(self.step, uri, param_norm(self.model))
-        self.metrics.workers(
-            self.step, self.session.world_size, state and state.get("workers"), self.cfg.workers.elastic
-        )
+        self.metrics.workers(self.step, self.session.world_size, self.saved_workers, self.cfg.workers.elastic)
         if self.deal.padded:
             self.metrics.note(self.deal.describe(self.cfg.train.batch_size))
 
@@ -181,21 +204,22 @@ class Trainer:
         logged = {**self.metrics.log(step, self.cursor.wait_s), "step": step}
         if self.val_loss is not None:  # every report carries the latest, for early stopping
             logged["val_loss"] = self.val_loss
+        self.reported = logged
         saving = self.checkpointer.due(step) or just_in_time
         if saving:
-            self.checkpointer.save(
-                {"step": step, "epoch": self.cursor.epoch, "workers": self.session.world_size, "metrics": logged},
-                self.cursor.state(self.device),
-                wait=just_in_time,
-            )
+            self.checkpointer.save(step, wait=just_in_time)
         self.session.report(logged)
         if saving:
             self.metrics.note(f"checkpoint at step {step}")
 
 
-def train_loop(config: dict) -> None:
-    """Ray Train's training function: `config["args"]` is the driver's WorkerArgs."""
+def train_loop(config: dict) -> dict | None:
+    """Ray Train's training function: `config["args"]` is the driver's WorkerArgs. Returns rank
+    0's last report, the run's final metrics, which reach the driver as `Result.return_value`
+    (pipelines/train.py says why not `Result.metrics`); for a run relaunched once finished, which
+    trains and reports nothing, the last report of the checkpoint it restores."""
     args: WorkerArgs = config["args"]
     trainer = Trainer(args, RaySession(args.cfg))
     trainer.restore()
     trainer.train()
+    return trainer.reported if trainer.rank == 0 else None
