@@ -35,8 +35,8 @@ from mdc.evaluation.captioning import caption_metrics
 from mdc.evaluation.probe import preprocess
 from mdc.registry import build_model, write_captions
 from mdc.sampling import Decoding
-from mdc.train.checkpoint import export_weights
-from mdc.train.step import build_optimizer, build_scheduler, train_step
+from mdc.training.checkpoint import export_weights
+from mdc.training.step import build_optimizer, build_scheduler, train_step
 
 IMAGE_SIZE, MAX_LENGTH = 32, 16
 AR = "ar greedy"

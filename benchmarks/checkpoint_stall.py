@@ -21,7 +21,7 @@ from moto.server import ThreadedMotoServer
 from benchmarks.train_throughput import init_single_process_group, training_setup
 from mdc.config import load_config
 from mdc.objectives.masked import MdcObjective
-from mdc.train.step import train_step
+from mdc.training.step import train_step
 from pipelines.worker.checkpointer import Checkpointer
 
 

@@ -54,8 +54,8 @@ def bf16_model(overrides: list[str], preset: str):
     from mdc import registry
     from mdc.config import load_config
     from mdc.data.tokenizer import CaptionTokenizer
-    from mdc.train.fsdp import apply_fsdp
-    from mdc.train.step import EMA, build_optimizer, build_scheduler
+    from mdc.training.fsdp import apply_fsdp
+    from mdc.training.step import EMA, build_optimizer, build_scheduler
 
     cfg = load_config(None, [f"model.preset={preset}", f"data.max_length={LENGTH}", "optim.ema_decay=0.99", *overrides])
     torch.manual_seed(0)
@@ -79,8 +79,8 @@ def local_dtypes(tensors) -> list[str]:
 def step_objectives(preset: str, work: Path) -> dict:
     """Per objective: a bf16 step, what stays float32, and a DCP save + restore."""
     from mdc.models.captioner import PRESETS
-    from mdc.train import checkpoint as ckpt
-    from mdc.train.step import train_step
+    from mdc.training import checkpoint as ckpt
+    from mdc.training.step import train_step
 
     one_rank_group()
     out = {}
@@ -123,7 +123,7 @@ def step_accumulation(preset: str, work: Path) -> dict:
     """4 micro-batches of B and one batch of 4B give the same loss and gradient, to bf16 tolerance
     (AR: no noise draws, and captions without pad, so every micro-batch has as many tokens)."""
     from mdc.models.captioner import PRESETS
-    from mdc.train.step import train_step
+    from mdc.training.step import train_step
 
     one_rank_group()
     images, tokens = full_captions(16, PRESETS[preset].image_size)
@@ -142,8 +142,8 @@ def step_compile(preset: str, work: Path) -> dict:
     from mdc.config import load_config
     from mdc.data.tokenizer import CaptionTokenizer
     from mdc.models.captioner import PRESETS
-    from mdc.train.fsdp import compile_available, prepare_model
-    from mdc.train.step import build_optimizer, build_scheduler, train_step
+    from mdc.training.fsdp import compile_available, prepare_model
+    from mdc.training.step import build_optimizer, build_scheduler, train_step
 
     one_rank_group()
     why_not = compile_available(device())
@@ -180,7 +180,7 @@ def step_syncs(preset: str, work: Path) -> dict:
     import warnings
 
     from mdc.models.captioner import PRESETS
-    from mdc.train.step import device_step
+    from mdc.training.step import device_step
 
     one_rank_group()
     cuda, out = device() == "cuda", {}

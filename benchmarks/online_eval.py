@@ -20,8 +20,8 @@ from mlflow.tracking import MlflowClient
 
 from mdc.config import load_config
 from mdc.data.shapes import write_shapes_dataset
-from pipelines.online_eval import PROBE_KEY
-from pipelines.train import run_training
+from pipelines.run.driver import run_training
+from pipelines.run.online_eval import PROBE_KEY
 
 
 def run(root: Path, name: str, steps: int, every: int | None) -> dict:

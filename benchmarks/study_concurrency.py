@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.local_cluster import local_cluster
+from pipelines.infra.local_cluster import local_cluster
 
 
 def one_worker_runs(path: Path, name: str, steps: int, images: int, log_every: int) -> Path:
@@ -60,7 +60,7 @@ def busy_cpu_seconds() -> float:
 
 def timed_study(plan_path: Path, out: Path, max_concurrent: int) -> tuple[float, float, dict[str, float]]:
     """Wall seconds, busy cores (CPU seconds / wall seconds) and each run's final loss."""
-    from pipelines.study import load_plan, run_study
+    from pipelines.commands.study import load_plan, run_study
 
     tic, busy = time.perf_counter(), busy_cpu_seconds()
     run_study(load_plan(plan_path), plan_path, out, max_concurrent=max_concurrent)
@@ -81,7 +81,7 @@ def main() -> None:
     out = args.out.resolve()
     plan_path = one_worker_runs(out / "plan.yaml", "bench", args.steps, images=400, log_every=args.steps)
     with local_cluster(0, {"num_cpus": 1}, {"num_cpus": 1}):
-        from pipelines.study import load_plan, prepare_data  # the shapes data once, outside both timings
+        from pipelines.commands.study import load_plan, prepare_data  # the shapes data once, outside both timings
 
         prepare_data(load_plan(plan_path), out / "shared")
         for name in ("sequential", "concurrent"):

@@ -28,8 +28,8 @@ from mdc.data.tokenizer import CaptionTokenizer
 from mdc.models.captioner import Captioner
 from mdc.objectives.masked import MdcObjective
 from mdc.registry import compute_loss
-from mdc.train.fsdp import compile_available, prepare_model
-from mdc.train.step import build_optimizer, build_scheduler, train_step
+from mdc.training.fsdp import compile_available, prepare_model
+from mdc.training.step import build_optimizer, build_scheduler, train_step
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, TFLOP/s, by a substring of
 # torch.cuda.get_device_name(); first match wins, so the PCIe H100 comes before the SXM one.

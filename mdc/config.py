@@ -184,7 +184,7 @@ class WorkersConfig(_Section):
 
 
 class ComputeConfig(_Section):
-    """How each worker runs the model (mdc/train/fsdp.py prepare_model)."""
+    """How each worker runs the model (mdc/training/fsdp.py prepare_model)."""
 
     compile: bool = Field(False, description="torch.compile each transformer block")
     activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward")

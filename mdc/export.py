@@ -28,7 +28,7 @@ from mdc.config import RunConfig
 from mdc.data.images import CLIP_MEAN, CLIP_STD
 from mdc.models.captioner import PRESETS, create_encoder
 from mdc.seeding import drawing_from
-from mdc.train import checkpoint as ckpt
+from mdc.training import checkpoint as ckpt
 
 TIMM_CONFIG = "config.json"
 TIMM_WEIGHTS = "model.safetensors"

@@ -97,8 +97,8 @@ def local_trainer(tmp_path, steps: int, log_every: int, *overrides: str, same_im
     `session` says otherwise), writing checkpoints and MLflow under `tmp_path`; `trainer.events`
     are its progress events."""
     from mdc.config import load_config
-    from pipelines import tracking
-    from pipelines.ingest import IngestResources
+    from pipelines.run import tracking
+    from pipelines.run.ingest import IngestResources
     from pipelines.worker.args import WorkerArgs
     from pipelines.worker.trainer import Trainer
 
@@ -172,11 +172,11 @@ LOCAL_RAY = {"num_cpus": 2, "object_store_memory": 512 * 1024**2, "include_dashb
 
 @contextlib.contextmanager
 def multinode_cluster(head_cpus: float, *nodes: dict):
-    """pipelines.local_cluster.local_cluster for a test module: the session's local Ray (conftest's
+    """pipelines.infra.local_cluster.local_cluster for a test module: the session's local Ray (conftest's
     `ray_cluster`), if a test started it, is stopped first and started again after."""
     import ray
 
-    from pipelines.local_cluster import local_cluster
+    from pipelines.infra.local_cluster import local_cluster
 
     had_local = ray.is_initialized()
     if had_local:
@@ -228,11 +228,11 @@ def rows_by_step(directory) -> dict[int, tuple[list[tuple[int, int]], dict[int, 
 
 def epoch_order(cfg, epoch: int = 0) -> list[tuple[int, int]]:
     """(shard, row) of epoch `epoch`'s rows in the one order training reads them in
-    (pipelines/ingest.py), read here through Ray Data with order preserved (needs Ray)."""
+    (pipelines/run/ingest.py), read here through Ray Data with order preserved (needs Ray)."""
     from mdc.data import shards
-    from pipelines.ingest import EpochPlanActor, build_dataset
-    from pipelines.position import EpochPlan
-    from pipelines.train import image_size
+    from pipelines.run.driver import image_size
+    from pipelines.run.ingest import EpochPlanActor, build_dataset
+    from pipelines.run.position import EpochPlan
 
     plan = EpochPlanActor.remote()
     plan.set.remote(EpochPlan(epoch))

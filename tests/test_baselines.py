@@ -21,8 +21,8 @@ from mdc.objectives.clip import clip_loss
 from mdc.objectives.masked import MdcObjective, masked_diffusion_loss
 from mdc.registry import build_model, compute_loss, write_captions
 from mdc.sampling import sample_continuous, sample_masked
-from mdc.train.checkpoint import load_pretrained
-from mdc.train.step import build_optimizer, build_scheduler, train_step
+from mdc.training.checkpoint import load_pretrained
+from mdc.training.step import build_optimizer, build_scheduler, train_step
 
 MASK, PAD, BOS, EOS = 49408, 49409, 49406, 49407
 
@@ -385,7 +385,7 @@ def test_eval_infill_command_writes_json(shapes_dir, tmp_path):
     from typer.testing import CliRunner
 
     from mdc.config import dump_config
-    from mdc.train.checkpoint import export_weights
+    from mdc.training.checkpoint import export_weights
     from pipelines.cli import app
 
     model, cfg = model_for("objective.name=mdc", max_length=16)
@@ -435,7 +435,7 @@ def samples_and_scores(model, objective):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("objective", ["cappa", "bert"])  # the causal and the fixed-ratio masked family
 def test_objective_trains_through_ray_then_samples_and_scores(objective, ray_cluster, shapes_dir, tmp_path):
-    from pipelines.train import run_training
+    from pipelines.run.driver import run_training
 
     overrides = [
         f"name=baseline-{objective}",

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from mdc.data import storage
-from mdc.train import checkpoint as ckpt
-from mdc.train.step import EMA
+from mdc.training import checkpoint as ckpt
+from mdc.training.step import EMA
 
 pytestmark = pytest.mark.usefixtures("gloo_process_group")  # DCP and the commit barrier are collectives
 

@@ -239,9 +239,9 @@ def test_training_workers_are_one_per_gpu_and_fit_the_gpu_pod(where, gpu_type, s
 def test_sweep_runs_one_trial_per_gpu_node_and_the_cluster_fits_as_many_at_once(gpu_type):
     """The sweep RayJob: `mdc tune` over a shipped space, each trial on one node's GPUs, and the
     default concurrency (what fits the free resources) is one trial per GPU node."""
-    from pipelines.concurrency import fitting_runs
-    from pipelines.search_space import load_space
-    from pipelines.tune import trial_count
+    from pipelines.commands.search_space import load_space
+    from pipelines.commands.tune import trial_count
+    from pipelines.run.concurrency import fitting_runs
 
     values = {**TEST_VALUES, "GPU_INSTANCE_TYPE": gpu_type, "GPU_WORKERS": "3"}
     job = by_kind([d for d in yaml.safe_load_all(render((KUBERAY / "rayjob-sweep.yaml").read_text(), values)) if d])

@@ -8,10 +8,11 @@ from typer.testing import CliRunner
 from mdc.data import shards
 from mdc.evaluation import captioning, probe
 from mdc.evaluation import compositionality as comp
-from mdc.train.checkpoint import load_pretrained
-from pipelines import compare, tracking
+from mdc.training.checkpoint import load_pretrained
 from pipelines.cli import app
-from pipelines.compare import COLUMNS, run_compare
+from pipelines.commands import compare
+from pipelines.commands.compare import COLUMNS, run_compare
+from pipelines.run import tracking
 
 TINY = [
     "data.max_length=16",

@@ -1,4 +1,4 @@
-"""How many runs go at once (pipelines.concurrency), without Ray: the count that fits free resources,
+"""How many runs go at once (pipelines.run.concurrency), without Ray: the count that fits free resources,
 each run's ingest share, and the bounded pool that runs them."""
 
 import threading
@@ -7,7 +7,7 @@ import time
 import pytest
 
 from mdc.config import ConfigError, derive, load_config
-from pipelines import concurrency
+from pipelines.run import concurrency
 
 
 def config(**items):
@@ -129,8 +129,8 @@ def test_every_multi_run_command_takes_max_concurrent_and_refuses_zero(command, 
 def test_a_sweep_counts_its_trials_so_its_default_concurrency_is_not_capped_at_one():
     from pathlib import Path
 
-    from pipelines.search_space import load_space
-    from pipelines.tune import trial_count
+    from pipelines.commands.search_space import load_space
+    from pipelines.commands.tune import trial_count
 
     spaces = Path(__file__).resolve().parents[1] / "tune_spaces"
     base = load_config(None)

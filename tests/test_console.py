@@ -12,10 +12,10 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from mdc.config import load_config
-from pipelines import ray_connection, ray_output, run_inputs
 from pipelines.cli import app
-from pipelines.console import UserError, report_failures
-from pipelines.progress import ProgressDisplay, step_line
+from pipelines.infra import ray_connection, ray_output, run_inputs
+from pipelines.infra.console import UserError, report_failures
+from pipelines.run.progress import ProgressDisplay, step_line
 
 
 def closed_port() -> int:
@@ -37,7 +37,7 @@ def test_missing_data_folder_is_one_line_and_exit_2_before_ray(tmp_path):
 @pytest.mark.parametrize("extra, expected_val", [([], None), (["--val", "VAL"], "VAL"), (["data.val_uri=VAL"], "VAL")])
 def test_data_without_val_trains_without_the_configs_validation_split(tmp_path, monkeypatch, extra, expected_val):
     """`--data X` alone must not validate on the demo config's runs/shapes/val (absent here)."""
-    import pipelines.train
+    import pipelines.run.driver
 
     (tmp_path / "train").mkdir()
     (tmp_path / "VAL").mkdir()
@@ -49,7 +49,7 @@ def test_data_without_val_trains_without_the_configs_validation_split(tmp_path, 
         raise SystemExit(0)
 
     monkeypatch.setattr(ray_connection, "ray_session", lambda *a, **k: contextlib.nullcontext())
-    monkeypatch.setattr(pipelines.train, "run_training", stop_after_config)
+    monkeypatch.setattr(pipelines.run.driver, "run_training", stop_after_config)
     result = CliRunner().invoke(app, ["train", "--data", "train", "--storage", "ckpt", *extra])
     assert "cfg" in seen, result.output
     expected = None if expected_val is None else str(tmp_path / expected_val)
@@ -125,7 +125,7 @@ def test_a_ray_task_errors_line_is_the_original_exceptions():
     from ray.exceptions import RayTaskError
 
     from mdc.data.storage import StorageError
-    from pipelines.console import first_line_of
+    from pipelines.infra.console import first_line_of
 
     cause = StorageError("data.val_uri: does not exist: /gone")
     wrapped = RayTaskError("train", '  File "trainable.py", line 1, in train\n    raise', cause).as_instanceof_cause()
@@ -161,13 +161,13 @@ def test_display_prints_logged_steps_notes_and_one_data_wait_warning():
 
 
 def test_a_failed_run_is_one_line_exit_1_with_its_traceback_in_the_log(tmp_path, monkeypatch):
-    from pipelines.console import user_errors
+    from pipelines.infra.console import user_errors
 
     monkeypatch.setattr(ray_connection, "connect_ray", lambda *a: None)
     monkeypatch.setattr(ray_connection, "ray_output_to", lambda path: contextlib.nullcontext(path))
     log = tmp_path / "ray.log"
     buf = io.StringIO()
-    monkeypatch.setattr("pipelines.console.console", Console(file=buf, width=300))
+    monkeypatch.setattr("pipelines.infra.console.console", Console(file=buf, width=300))
     with pytest.raises(typer.Exit) as stop, user_errors(), ray_connection.ray_session(log):
         raise MemoryError_("8 worker(s) were killed due to the node running low on memory.\nMemory on the node ...")
     assert stop.value.exit_code == 1

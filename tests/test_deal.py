@@ -11,9 +11,9 @@ import torch.multiprocessing as mp
 from helpers import LocalSession, local_trainer
 
 from mdc.config import load_config
-from mdc.train.checkpoint import full_weights
-from pipelines import tracking
-from pipelines.ingest import BatchFeed
+from mdc.training.checkpoint import full_weights
+from pipelines.run import tracking
+from pipelines.run.ingest import BatchFeed
 from pipelines.worker.cursor import DataCursor
 from pipelines.worker.deal import BlockDeal
 
@@ -82,7 +82,7 @@ def train_dealt(rank: int, world: int, tmp: str, global_batch: int) -> None:
         options = ("train.batch_size=2", f"train.global_batch_size={global_batch}")
         trainer = local_trainer(Path(tmp), 3, 1, *options, session=session)
         trainer.restore()
-        trainer.train()
+        trainer.run()
         weights = full_weights(trainer.model)
         if rank == 0:
             logged = {k: [r[k] for r in session.reports] for k in ("loss", "grad_norm")}

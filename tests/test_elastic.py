@@ -18,9 +18,9 @@ from mlflow.tracking import MlflowClient
 
 from mdc.config import load_config
 from mdc.data.img2dataset import generated_rows, write_img2dataset_folder
-from mdc.train import checkpoint as ckpt
-from pipelines import tracking
-from pipelines.local_cluster import add_node
+from mdc.training import checkpoint as ckpt
+from pipelines.infra.local_cluster import add_node
+from pipelines.run import tracking
 from pipelines.worker.callbacks import GroupLog, RowRecorder, group_lines
 
 pytestmark = pytest.mark.ray
@@ -35,7 +35,7 @@ def one_trainer_node():
 
 @pytest.mark.timeout(900)  # ~3 min alone (three worker groups start), more on a loaded machine
 def test_an_elastic_group_grows_when_a_node_joins_and_shrinks_when_it_goes(one_trainer_node, tmp_path, capsys):
-    from pipelines.train import run_training
+    from pipelines.run.driver import run_training
 
     def checkpoint(step: int):
         return ckpt.checkpoint_dir(str(tmp_path / "ckpt" / "elastic"), step)

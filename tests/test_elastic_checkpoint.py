@@ -14,8 +14,8 @@ from helpers import LocalSession, local_trainer
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from mdc.config import load_config
-from mdc.train import checkpoint as ckpt
-from pipelines import tracking
+from mdc.training import checkpoint as ckpt
+from pipelines.run import tracking
 
 pytestmark = pytest.mark.timeout(300)
 ELASTIC = ("workers.count=[1,2]", "train.global_batch_size=8", "checkpoint.every=3")
@@ -42,7 +42,7 @@ def train_on_two_ranks(rank: int, tmp: str) -> None:
         trainer = local_trainer(Path(tmp), 6, 3, *ELASTIC, session=session)
         assert trainer.deal.passes == 1
         trainer.restore()
-        trainer.train()
+        trainer.run()
         state = full_state(trainer)
         if rank == 0:
             torch.save(state, Path(tmp, "state.pt"))
@@ -67,7 +67,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_with_the_same_state(gloo_proce
         assert torch.equal(one_rank[name], value), name
     assert [e["text"] for e in resumed.events if "worker" in e.get("text", "")] == ["workers 2 → 1 at step 6"]
 
-    resumed.train()
+    resumed.run()
     assert resumed.step == 8 and [r["step"] for r in session.reports] == [7, 8]
     history = tracking.metric_history(mlflow_uri, run_id, ["workers"])
     assert history["workers"] == [(0, 2.0), (6, 1.0)]

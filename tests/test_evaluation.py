@@ -21,7 +21,7 @@ from mdc.data import shards
 from mdc.evaluation import captioning, probe, readers, zeroshot
 from mdc.evaluation import compositionality as comp
 from mdc.evaluation.readers import DatasetFormatError
-from pipelines import reports
+from pipelines.run import reports
 
 
 def png(colour=(255, 0, 0), size=8) -> bytes:
@@ -553,7 +553,7 @@ def shapes_data(tmp_path_factory):
     """The demo's dataset on local disk: a tenth held out (val/) for the probe's test split and the
     compositionality pairs."""
     from mdc.data.shapes import write_shapes_dataset
-    from pipelines.demo import DEMO_IMAGES
+    from pipelines.commands.demo import DEMO_IMAGES
 
     root = tmp_path_factory.mktemp("probe-shapes")
     write_shapes_dataset(str(root), num=DEMO_IMAGES, seed=0)
@@ -567,7 +567,7 @@ def trained(shapes_data):
     from mdc.data.images import preprocess_batch
     from mdc.data.tokenizer import CaptionTokenizer
     from mdc.registry import build_model
-    from mdc.train.step import build_optimizer, build_scheduler, train_step
+    from mdc.training.step import build_optimizer, build_scheduler, train_step
 
     cfg = load_config(DEFAULT_CONFIG)
     batch_size = cfg.train.batch_size * cfg.workers.count

@@ -16,7 +16,7 @@ from mdc import export
 from mdc.config import RunConfig, dump_config
 from mdc.data import storage
 from mdc.evaluation import probe
-from mdc.train.checkpoint import CONFIG, WEIGHTS, export_weights
+from mdc.training.checkpoint import CONFIG, WEIGHTS, export_weights
 from pipelines.cli import app
 
 # Runs in a fresh interpreter outside the repository with `mdc` made unimportable: only timm and torch.

@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 
 from mdc.config import RunConfig, dump_config
 from mdc.evaluation import probe, readers
-from mdc.train.checkpoint import CONFIG, WEIGHTS, export_weights, load_pretrained
-from pipelines import tracking
+from mdc.training.checkpoint import CONFIG, WEIGHTS, export_weights, load_pretrained
 from pipelines.cli import app
-from pipelines.feature_extraction import Extractor, checkpoint_model
-from pipelines.tracking import EVAL_EXPERIMENT
+from pipelines.run import tracking
+from pipelines.run.feature_extraction import Extractor, checkpoint_model
+from pipelines.run.tracking import EVAL_EXPERIMENT
 
 
 @pytest.fixture(scope="module")

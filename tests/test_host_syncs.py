@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 from sync_counter import SyncCounter, sync_kind
 
 import mdc.objectives.positions as positions
-import mdc.train.step as step_module
+import mdc.training.step as step_module
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,7 +25,7 @@ STEPS, LOG_EVERY = 7, 3
 
 
 def counted_run(trainer, counter: SyncCounter) -> None:
-    """`trainer.train()` under `counter`, each sync charged to the step whose batch it serves: the
+    """`trainer.run()` under `counter`, each sync charged to the step whose batch it serves: the
     data cursor's work for a batch runs before that step's `train_step`."""
     step_once = trainer.run_step
 
@@ -38,7 +38,7 @@ def counted_run(trainer, counter: SyncCounter) -> None:
     trainer.restore()
     counter.step = 1
     with counter:
-        trainer.train()
+        trainer.run()
 
 
 @pytest.fixture(autouse=True)

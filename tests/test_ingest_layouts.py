@@ -25,7 +25,7 @@ from mdc.data.img2dataset import (
     sample_key,
     write_img2dataset_folder,
 )
-from pipelines.ingest import BatchFeed, DataStallError, ingest_resources
+from pipelines.run.ingest import BatchFeed, DataStallError, ingest_resources
 
 ROWS = generated_rows(60, image_size=32)  # 44 successes, 8 failed downloads, 8 failed resizes
 SUCCESSES = sum(r.jpg is not None for r in ROWS)
@@ -211,7 +211,7 @@ def test_stall_guard_fails_when_the_source_never_yields():
 
 
 def test_stats_totals_size_a_split_without_manifest(tmp_path):
-    from pipelines.scaling import ScalingError, split_total
+    from pipelines.commands.scaling import ScalingError, split_total
 
     out, _ = folder(tmp_path, "webdataset")
     assert split_total(out, str(tmp_path / "manifest.json"), {}) == SUCCESSES

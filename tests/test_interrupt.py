@@ -17,8 +17,8 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from pipelines import concurrency, tracking
-from pipelines.study import CLAIM_FIELDS
+from pipelines.commands.study import CLAIM_FIELDS
+from pipelines.run import concurrency, tracking
 
 REPO = Path(__file__).resolve().parent.parent
 MDC = str(Path(sys.executable).parent / "mdc")

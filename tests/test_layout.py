@@ -87,7 +87,7 @@ def test_cycle_finder_finds_a_planted_cycle():
 
 def test_no_import_cycles_counting_function_local_imports():
     edges = graph()
-    assert "mdc.registry" in edges and "mdc.config" in edges["pipelines.train"]
+    assert "mdc.registry" in edges and "mdc.config" in edges["pipelines.run.driver"]
     assert cycles(edges) == []
 
 

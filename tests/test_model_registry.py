@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 from mdc import export
 from mdc.config import RunConfig, dump_config
 from mdc.evaluation import probe
-from mdc.train.checkpoint import export_weights
-from pipelines import model_registry, tracking
+from mdc.training.checkpoint import export_weights
 from pipelines.cli import app
+from pipelines.run import model_registry, tracking
 
 NAME = "mdc-mdc-tiny"
 

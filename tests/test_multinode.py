@@ -1,4 +1,4 @@
-"""Training on several Ray nodes, on one machine, with Ray's own harness (pipelines/local_cluster.py):
+"""Training on several Ray nodes, on one machine, with Ray's own harness (pipelines/infra/local_cluster.py):
 a head with no CPU (the driver's node) and two 1-CPU worker nodes.
 
 - the two workers of a SPREAD run train on two different nodes, checkpoint and finish;
@@ -30,9 +30,9 @@ from mlflow.tracking import MlflowClient
 from benchmarks.study_concurrency import one_worker_runs
 from mdc.config import derive, load_config
 from mdc.data.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
-from mdc.train import checkpoint as ckpt
-from pipelines import tracking
-from pipelines.local_cluster import add_node
+from mdc.training import checkpoint as ckpt
+from pipelines.infra.local_cluster import add_node
+from pipelines.run import tracking
 from pipelines.worker.callbacks import GroupLog, HoldAfterJustInTime, RowRecorder, group_lines
 
 pytestmark = pytest.mark.ray
@@ -50,7 +50,7 @@ def multinode():
 def test_a_1_cpu_node_keeps_a_reader_process_between_tasks(multinode):
     """With Ray's default soft limit, a 1-CPU node that also held a training worker killed each
     idle task process a second after its task, so every read task paid a new process's imports
-    (pipelines/local_cluster.py); tasks 1.5 s apart now run in one process a node."""
+    (pipelines/infra/local_cluster.py); tasks 1.5 s apart now run in one process a node."""
 
     @ray.remote(num_cpus=0.5, scheduling_strategy="SPREAD")
     class Worker:  # as a training worker on each node
@@ -59,7 +59,7 @@ def test_a_1_cpu_node_keeps_a_reader_process_between_tasks(multinode):
 
     @ray.remote(num_cpus=0.5)
     def reader() -> tuple[str, int]:
-        import pipelines.ingest  # noqa: F401  (what a read task imports)
+        import pipelines.run.ingest  # noqa: F401  (what a read task imports)
 
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
@@ -125,7 +125,7 @@ def loss_steps(cfg, run_id: str) -> list[int]:
 def run_logged(cfg, directory: Path, holds=()):
     """run_training with each worker group's nodes logged in DIRECTORY/groups and each trained row
     in DIRECTORY/rows."""
-    from pipelines.train import run_training
+    from pipelines.run.driver import run_training
 
     (directory / "groups").mkdir(parents=True)
     (directory / "rows").mkdir()
@@ -210,7 +210,7 @@ def test_a_reclaim_notice_checkpoints_at_once_and_the_restart_trains_no_step_twi
     just-in-time checkpoint and ends like the uninterrupted run, no step trained twice."""
     from ray.util.state import list_actors
 
-    from pipelines.train import run_training
+    from pipelines.run.driver import run_training
 
     steady_cfg, steady_summary, steady_logs = steady
     cfg = spread_config(
@@ -274,7 +274,7 @@ def count_worker_groups(stop: threading.Event, counts: list[int]) -> None:
 def test_a_study_with_max_concurrent_2_trains_two_at_a_time(multinode, tmp_path, capsys):
     """Two runs at once, each with half a CPU of ingest; one of them trained again alone, with all
     the CPUs its worker leaves, gets every figure of its result.json but the timings exactly."""
-    from pipelines.study import load_plan, prepare_data, run_configs, run_study, train_and_evaluate
+    from pipelines.commands.study import load_plan, prepare_data, run_configs, run_study, train_and_evaluate
 
     assert ray.cluster_resources()["CPU"] == 2  # two 1-CPU nodes (after the node-loss test, its replacement)
     path = one_worker_runs(tmp_path / "plan.yaml", "pairs", steps=6, images=200, log_every=3)
@@ -340,8 +340,8 @@ def test_a_sweep_loses_the_node_under_a_trial_and_every_trial_finishes(multinode
     added: the worker groups resume from their checkpoints and both trials finish all 12 steps."""
     from ray.util.state import list_actors
 
-    from pipelines.search_space import load_space
-    from pipelines.tune import run_sweep
+    from pipelines.commands.search_space import load_space
+    from pipelines.commands.tune import run_sweep
 
     base = load_config(
         None,

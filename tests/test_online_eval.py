@@ -1,4 +1,4 @@
-"""Evaluation during training (pipelines/online_eval.py): which steps are evaluated, that an
+"""Evaluation during training (pipelines/run/online_eval.py): which steps are evaluated, that an
 evaluation reads the checkpoint's own weights, that rank 0 hands checkpoints over without waiting,
 and a run that logs the probe and the compositionality scores against step in MLflow."""
 
@@ -13,8 +13,8 @@ from mdc.config import ConfigError, derive, load_config
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.evaluation import compositionality, probe
 from mdc.registry import build_model
-from mdc.train import checkpoint as ckpt
-from pipelines import online_eval
+from mdc.training import checkpoint as ckpt
+from pipelines.run import online_eval
 from pipelines.worker.checkpointer import Checkpointer
 
 
@@ -152,7 +152,7 @@ def test_a_run_logs_the_probe_and_compositionality_against_step_while_it_trains(
     sets aside before its workers are placed: the step-10 evaluation is logged while the run trains.
     The workers wait at step 21 until it is (HoldUntilFile): an evaluation that waited for training
     to end would never be logged, and the hold would fail the run."""
-    from pipelines.train import run_training
+    from pipelines.run.driver import run_training
     from pipelines.worker.callbacks import HoldUntilFile
 
     cfg = load_config(

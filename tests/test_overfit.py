@@ -12,7 +12,7 @@ from mdc.models.captioner import Captioner
 from mdc.registry import OBJECTIVES
 from mdc.sampling import generate_autoregressive, sample_masked
 from mdc.scoring import autoregressive_score, monte_carlo_elbo, pseudo_log_likelihood
-from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step, warmup_cosine
+from mdc.training.step import EMA, build_optimizer, build_scheduler, train_step, warmup_cosine
 
 pytestmark = pytest.mark.slow  # every test here trains a model to overfit (minutes)
 

@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from mdc.config import load_config
 from mdc.data import shards, storage
 from mdc.data.shapes import write_shapes_dataset
-from mdc.train import checkpoint as ckpt
-from pipelines.ray_output import ray_output_to
-from pipelines.train import run_training
+from mdc.training import checkpoint as ckpt
+from pipelines.infra.ray_output import ray_output_to
+from pipelines.run.driver import run_training
 from pipelines.worker.callbacks import Fault
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
@@ -218,7 +218,7 @@ def test_unreachable_storage_fails_fast(ray_cluster, s3_server, tmp_path):
 def test_ingest_streams_parquet_and_tar_alike(ray_cluster, tmp_path):
     import ray
 
-    from pipelines.ingest import BadRecordLedgerActor, build_dataset
+    from pipelines.run.ingest import BadRecordLedgerActor, build_dataset
 
     for fmt in ("parquet", "webdataset"):
         write_shapes_dataset(str(tmp_path / fmt), num=120, seed=1, format=fmt, samples_per_shard=40)

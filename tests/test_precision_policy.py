@@ -12,9 +12,9 @@ from mdc.data.tokenizer import CaptionTokenizer
 from mdc.evaluation.compositionality import get_scorer
 from mdc.models.captioner import sinusoidal_embedding
 from mdc.sampling import Decoding
-from mdc.train import checkpoint as ckpt
-from mdc.train.fsdp import apply_fsdp
-from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step
+from mdc.training import checkpoint as ckpt
+from mdc.training.fsdp import apply_fsdp
+from mdc.training.step import EMA, build_optimizer, build_scheduler, train_step
 from pipelines.worker.validator import Validator
 
 pytestmark = pytest.mark.usefixtures("gloo_process_group")

@@ -1,4 +1,4 @@
-"""Ray's private names live in pipelines/ray_private.py alone, and each one it reads still exists:
+"""Ray's private names live in pipelines/infra/ray_private.py alone, and each one it reads still exists:
 an upgrade that removes one fails here, naming it, instead of deep inside a run."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import ray
 
-from pipelines import ray_private
+from pipelines.infra import ray_private
 
 ROOT = Path(__file__).resolve().parents[1]
 PRIVATE = ("ray._private", "ray.data._internal", "ray._raylet")
@@ -19,7 +19,7 @@ def test_every_private_name_used_exists_in_the_installed_ray():
     missing = [
         f"{module}.{name}" for module, name in ray_private.USED if not hasattr(importlib.import_module(module), name)
     ]
-    assert not missing, f"Ray {ray.__version__} lacks {missing}: adapt pipelines/ray_private.py"
+    assert not missing, f"Ray {ray.__version__} lacks {missing}: adapt pipelines/infra/ray_private.py"
 
 
 def test_the_installed_ray_is_one_the_private_module_was_tested_on():

@@ -10,8 +10,8 @@ from mlflow.tracking import MlflowClient
 from mdc.config import load_config
 from mdc.data import shards
 from mdc.evaluation import captioning
-from pipelines import reports, tracking
-from pipelines.demo import write_report
+from pipelines.commands.demo import write_report
+from pipelines.run import reports, tracking
 
 
 def test_demo_report_holds_every_caption_image_the_curves_and_the_tables(shapes_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""Exact data position on resume (pipelines/position.py): the position arithmetic, the tagged
+"""Exact data position on resume (pipelines/run/position.py): the position arithmetic, the tagged
 rows the read tasks yield, and one run killed after a checkpoint and resumed, whose rows trained
 are compared with a whole epoch's."""
 
@@ -11,10 +11,10 @@ import torch
 
 from mdc.config import load_config
 from mdc.data.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
-from mdc.train import checkpoint as ckpt
-from pipelines import ingest
-from pipelines.ingest import BadRecordLedger, EpochPlanHolder, Subset, read_shards
-from pipelines.position import (
+from mdc.training import checkpoint as ckpt
+from pipelines.run import ingest
+from pipelines.run.ingest import BadRecordLedger, EpochPlanHolder, Subset, read_shards
+from pipelines.run.position import (
     DataPosition,
     EpochPlan,
     ShardTally,
@@ -156,7 +156,7 @@ def test_a_resumed_run_trains_the_rest_of_its_epoch(ray_cluster, tmp_path):
     The restarted group goes on with epoch 0 from its next row: epoch 0 trains every row exactly
     once, as epoch 1 does, and every checkpoint holds the shards consumed and the rows begun that
     the rows trained say."""
-    from pipelines.train import run_training
+    from pipelines.run.driver import run_training
     from pipelines.worker.callbacks import Fault, RowRecorder
 
     write_img2dataset_folder(

@@ -10,8 +10,15 @@ from typer.testing import CliRunner
 
 from mdc.data import shards
 from pipelines.cli import app
-from pipelines.ingest import Subset
-from pipelines.scaling import ScalingError, parse_sizes, read_dataset_manifest, size_label, split_total, subset_fraction
+from pipelines.commands.scaling import (
+    ScalingError,
+    parse_sizes,
+    read_dataset_manifest,
+    size_label,
+    split_total,
+    subset_fraction,
+)
+from pipelines.run.ingest import Subset
 
 
 def test_sizes_parse_with_suffixes():

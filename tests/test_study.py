@@ -8,9 +8,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from pipelines import study
 from pipelines.cli import app
-from pipelines.study import StudyError, load_plan, paired_interval, run_configs, verdict
+from pipelines.commands import study
+from pipelines.commands.study import StudyError, load_plan, paired_interval, run_configs, verdict
 
 SMOKE = Path(__file__).resolve().parent.parent / "studies" / "smoke.yaml"
 # Student t quantiles t(0.975, df) from tables: df = 1, 2, 4.

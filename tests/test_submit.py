@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from mdc.data.shapes import write_shapes_dataset
 from pipelines.cli import app
-from pipelines.submit import Plan, default_submission_id, plan_submission, run_name_of, runtime_env
+from pipelines.commands.submit import Plan, default_submission_id, plan_submission, run_name_of, runtime_env
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's bin: ray, mdc

@@ -7,7 +7,7 @@ import torch
 from helpers import local_trainer
 
 from mdc.data.images import normalize
-from mdc.train import checkpoint as ckpt
+from mdc.training import checkpoint as ckpt
 from pipelines.worker import trainer as trainer_module
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,7 +24,7 @@ def inputs_by_step(trainer, monkeypatch) -> dict[int, torch.Tensor]:
 
     monkeypatch.setattr(trainer_module, "device_step", recording)
     trainer.restore()
-    trainer.train()
+    trainer.run()
     return seen
 
 
@@ -58,7 +58,7 @@ def test_a_chunk_gets_the_same_noise_and_crops_on_any_rank_and_split(gloo_proces
     same noise, so the step's loss is the mean of the two ranks' losses (to float rounding). Keyed by
     rank instead, rank 1's chunk would be cropped and masked as rank 0's."""
     from mdc.registry import compute_loss
-    from mdc.train.step import device_step
+    from mdc.training.step import device_step
     from pipelines.worker.cursor import StepBlocks
     from pipelines.worker.deal import BlockDeal
     from pipelines.worker.seeds import noise_generator
@@ -99,7 +99,7 @@ def test_a_reclaim_notice_saves_a_checkpoint_at_the_next_logged_step_once(gloo_p
     second = SimpleNamespace(deadline_ms=None, preempted_node_ids=["node-a", "node-b"], preempted_ranks=[0])
     trainer.session.notices = [None, first, first, second]  # read at steps 2, 4, 6, 8; none at 10
     trainer.restore()
-    trainer.train()
+    trainer.run()
     saved = sorted(step for step, _ in ckpt._checkpoints(trainer.checkpointer.run_dir, None))
     assert saved == [4, 8, 10]  # 10: the last step
     assert all(ckpt.problem(ckpt.checkpoint_dir(trainer.checkpointer.run_dir, s)) is None for s in saved)
@@ -119,11 +119,11 @@ def test_the_final_metrics_are_the_last_report_also_for_a_relaunch_of_a_finished
     the same metrics, from the trainer's checkpoint state."""
     first = local_trainer(tmp_path, 4, 2, "checkpoint.every=2")
     first.restore()
-    first.train()
+    first.run()
     assert first.reported == first.session.reports[-1] and first.reported["step"] == 4
 
     again = local_trainer(tmp_path, 4, 2, "checkpoint.every=2")
     again.restore()
-    again.train()
+    again.run()
     assert again.step == 4 and again.session.reports == []
     assert again.reported == first.reported

@@ -12,10 +12,10 @@ from mdc.models.captioner import Captioner
 from mdc.objectives.autoregressive import ArObjective
 from mdc.objectives.masked import BertObjective, MdcObjective
 from mdc.registry import compute_loss
-from mdc.train import fsdp
-from mdc.train.checkpoint import full_weights
-from mdc.train.fsdp import apply_fsdp, compile_available, prepare_model, transformer_blocks
-from mdc.train.step import EMA, build_optimizer, build_scheduler, train_step
+from mdc.training import fsdp
+from mdc.training.checkpoint import full_weights
+from mdc.training.fsdp import apply_fsdp, compile_available, prepare_model, transformer_blocks
+from mdc.training.step import EMA, build_optimizer, build_scheduler, train_step
 
 MAX_LENGTH = 8
 

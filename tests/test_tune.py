@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 
 from mdc.config import ConfigError, RunConfig, load_config
 from mdc.evaluation.probe import probe_shapes
-from mdc.train.checkpoint import load_pretrained
+from mdc.training.checkpoint import load_pretrained
 from pipelines.cli import app
-from pipelines.search_space import load_space
+from pipelines.commands.search_space import load_space
 
 SPACE = """\
 name: test_schedule
@@ -83,7 +83,7 @@ def test_shipped_spaces_load():
 
 
 def test_stopped_trials_are_killed_and_errored_ones_stay_failed(tmp_path):
-    from pipelines import tracking
+    from pipelines.run import tracking
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -107,7 +107,7 @@ def test_stopped_trials_are_killed_and_errored_ones_stay_failed(tmp_path):
 @pytest.mark.timeout(600)
 def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path, monkeypatch):
     """Given relative paths (trials run in Tune's trial folders, so the driver must resolve them)."""
-    from pipelines.tune import run_sweep
+    from pipelines.commands.tune import run_sweep
 
     monkeypatch.chdir(tmp_path)
     shapes = os.path.relpath(shapes_dir, tmp_path)

@@ -11,7 +11,7 @@ different objectives.
   batch, which is fine for a baseline (`ClipLoss(gather_with_grad=True, rank=, world_size=)` would
   gather the features across ranks).
 
-Captions are scored by cosine similarity (`mdc.scoring.cosine_scores`). The text blocks are exposed as `blocks` so `mdc.train.fsdp.apply_fsdp` shards them like decoder blocks.
+Captions are scored by cosine similarity (`mdc.scoring.cosine_scores`). The text blocks are exposed as `blocks` so `mdc.training.fsdp.apply_fsdp` shards them like decoder blocks.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import typer
 from pydantic.fields import FieldInfo
 
 from mdc import registry
-from pipelines.console import console, user_errors
+from pipelines.infra.console import console, user_errors
 
 config_app = typer.Typer(no_args_is_help=True, help="What a run config can hold.")
 _BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}

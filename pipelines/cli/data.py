@@ -9,7 +9,7 @@ import typer
 from mdc.data.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
 from mdc.data.shapes import write_shapes_dataset
 from mdc.data.tuxpaint import write_tuxpaint_dataset
-from pipelines.console import console, user_errors
+from pipelines.infra.console import console, user_errors
 
 data_app = typer.Typer(no_args_is_help=True, help="Write datasets as shards (local path or s3://).")
 

@@ -2,9 +2,9 @@
 zero-shot classification, compositionality, captions, caption infilling.
 
 Every command writes a JSON result (--out) and logs its metrics, the JSON and any page it wrote to
-MLflow (pipelines/tracking.py): into the training run with --run-id, else into a new run of the
+MLflow (pipelines/run/tracking.py): into the training run with --run-id, else into a new run of the
 experiment `mdc-eval`. Probe features of large datasets (at least --ray-threshold images) come from
-Ray Data batch inference (pipelines/feature_extraction.py).
+Ray Data batch inference (pipelines/run/feature_extraction.py).
 
 A checkpoint may also be a registered version, `models:/NAME/VERSION` or `models:/NAME@ALIAS`
 (its captioner); `probe` and `compositionality` take `--encoder timm:NAME|local-dir:DIR` to measure
@@ -25,10 +25,10 @@ from mdc import export
 from mdc.data import shards
 from mdc.evaluation import captioning, compositionality, infilling, probe, readers, zeroshot
 from mdc.sampling import Decoding
-from mdc.train import checkpoint as ckpt
-from pipelines import reports
-from pipelines.console import console
-from pipelines.console import user_errors as console_user_errors
+from mdc.training import checkpoint as ckpt
+from pipelines.infra.console import console
+from pipelines.infra.console import user_errors as console_user_errors
+from pipelines.run import reports
 
 eval_app = typer.Typer(
     no_args_is_help=True, help="Evaluate a checkpoint: probe, zeroshot, compositionality, captions, infill."
@@ -64,7 +64,7 @@ def report(
         console.print(f"{name}: {value:.4f}")
     console.print(f"result: {out}")
     if mlflow_uri:
-        from pipelines.tracking import log_evaluation  # MLflow: seconds to import, only when logging
+        from pipelines.run.tracking import log_evaluation  # MLflow: seconds to import, only when logging
 
         logged = log_evaluation(mlflow_uri, metrics, [out, *extra_artifacts], run_id, run_name, params)
         console.print(f"MLflow run {logged} ({mlflow_uri})")
@@ -156,7 +156,11 @@ def probe_command(
 
 def checkpoint_extractors(checkpoint: str, endpoint_url, device: str, mlflow_uri: str, baseline: bool, common: dict):
     """(features of the checkpoint's encoder, of the same architecture at random init or None)."""
-    from pipelines.feature_extraction import Extractor, checkpoint_model, random_init_model  # Ray: seconds to import
+    from pipelines.run.feature_extraction import (  # Ray: seconds to import
+        Extractor,
+        checkpoint_model,
+        random_init_model,
+    )
 
     model, cfg, directory = load(checkpoint, endpoint_url, device, mlflow_uri)
     cached = common["cache_dir"] is not None
@@ -175,7 +179,7 @@ def checkpoint_extractors(checkpoint: str, endpoint_url, device: str, mlflow_uri
 def encoder_extractors(spec: str, device: str, baseline: bool, common: dict):
     """(features of a timm encoder, of its architecture at random init or None): a timm:NAME is
     itself at random init, so it has no baseline of its own."""
-    from pipelines.feature_extraction import Extractor  # Ray: seconds to import
+    from pipelines.run.feature_extraction import Extractor  # Ray: seconds to import
 
     model = export.load_encoder(spec, device)
     if spec.startswith("local-dir:"):

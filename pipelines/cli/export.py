@@ -17,8 +17,8 @@ import typer
 
 from mdc import export
 from mdc.data import storage
-from mdc.train import checkpoint as ckpt
-from pipelines.console import console, user_errors
+from mdc.training import checkpoint as ckpt
+from pipelines.infra.console import console, user_errors
 
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
 

@@ -17,9 +17,9 @@ from rich.table import Table
 from mdc.config import DEFAULT_CONFIG, derive, load_config
 from mdc.data import storage
 from mdc.registry import OBJECTIVES
-from pipelines import ray_connection, ray_output, run_inputs
-from pipelines.console import VERBOSE_OPTION, Settings, console, report_failures, user_errors
-from pipelines.search_space import load_space
+from pipelines.commands.search_space import load_space
+from pipelines.infra import ray_connection, ray_output, run_inputs
+from pipelines.infra.console import VERBOSE_OPTION, Settings, console, report_failures, user_errors
 
 MAX_CONCURRENT_HELP = "runs at once (default: as many as the cluster's free CPUs/GPUs hold; 1 on a 2-core machine)"
 
@@ -58,7 +58,7 @@ def train(
     with user_errors():
         cfg = run_inputs.absolute_paths(load_config(config, overrides))
         run_inputs.check_inputs(cfg)
-        from pipelines.train import run_training  # the Ray program: seconds to import, so after the checks
+        from pipelines.run.driver import run_training  # the Ray program: seconds to import, so after the checks
 
         with ray_connection.ray_session(ray_output.run_log_path(cfg), address, verbose):
             summary = run_training(cfg)
@@ -86,7 +86,10 @@ def tune(
         base = run_inputs.absolute_paths(load_config(config, list(ctx.args)))
         search_space = load_space(space, base)
         run_inputs.check_inputs(base)
-        from pipelines.tune import run_sweep, sweep_folder  # the Ray program: seconds to import, so after the checks
+        from pipelines.commands.tune import (  # the Ray program: seconds to import, so after the checks
+            run_sweep,
+            sweep_folder,
+        )
 
         with ray_connection.ray_session(sweep_folder(base, search_space) / "ray.log", address, verbose):
             summary = run_sweep(search_space, base, samples, max_concurrent)
@@ -106,7 +109,7 @@ def demo(
 ):
     """The embedded default, end to end on this machine: local S3 server, shapes shards in a bucket,
     2-worker Ray training, MLflow in SQLite, then a summary with sample captions and report.html."""
-    from pipelines.demo import DEMO_IMAGES, run_demo  # the Ray program: seconds to import
+    from pipelines.commands.demo import DEMO_IMAGES, run_demo  # the Ray program: seconds to import
 
     Settings.verbose = verbose
     overrides = [f"train.steps={steps}"] if steps else []
@@ -143,7 +146,7 @@ def compare(
             data = run_inputs.absolute_uri(data)
             storage.check_reachable(storage.join(data, "train"), base.data.endpoint_url)
         workdir = workdir.resolve()
-        from pipelines.compare import run_compare  # the Ray program: seconds to import, so after the checks
+        from pipelines.commands.compare import run_compare  # the Ray program: seconds to import, so after the checks
 
         with ray_connection.ray_session(workdir / "ray.log", address, verbose):
             run_compare(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mdc.config import RunConfig
-from pipelines.ingest import IngestResources
+from pipelines.run.ingest import IngestResources
 from pipelines.worker.callbacks import Callback
 
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 
 from mdc.config import RunConfig, dump_config
-from mdc.train import checkpoint as ckpt
+from mdc.training import checkpoint as ckpt
 from pipelines.worker.callbacks import Callback
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipelines.ingest import BatchFeed, ask
-from pipelines.position import DataPosition, EpochPlan, ShardTally, resume_point
+from pipelines.run.ingest import BatchFeed, ask
+from pipelines.run.position import DataPosition, EpochPlan, ShardTally, resume_point
 from pipelines.worker.args import IngestActors
 from pipelines.worker.deal import BlockDeal
 
@@ -74,7 +74,7 @@ class DataCursor:
 
     def start(self) -> None:
         """Collective. Where the run goes on: a run restored from a checkpoint (`load_state_dict`)
-        continues its epoch from its next row (pipelines/position.py), otherwise it starts from
+        continues its epoch from its next row (pipelines/run/position.py), otherwise it starts from
         scratch. Rank 0 decides (every rank holds the same state, but a changed world size must not
         make ranks disagree) and sets the ingest actors before any rank may start reading."""
         plan, state = [EpochPlan()], self.restored or {}

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from mdc.data.tokenizer import CaptionTokenizer
-from mdc.train.step import as_plain
-from pipelines import progress, tracking
+from mdc.training.step import as_plain
+from pipelines.run import progress, tracking
 
 TOKENS = "_tokens"  # the buffered steps' caption-token counts, summed over ranks rather than averaged
 

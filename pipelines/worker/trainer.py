@@ -12,10 +12,10 @@ from mdc.data.augment import augment
 from mdc.data.images import normalize
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.registry import build_model
-from mdc.train.fsdp import prepare_model
-from mdc.train.step import EMA, build_optimizer, build_scheduler, device_step
-from pipelines.ingest import BatchFeed, describe_stall
-from pipelines.online_eval import EvaluationHandOver
+from mdc.training.fsdp import prepare_model
+from mdc.training.step import EMA, build_optimizer, build_scheduler, device_step
+from pipelines.run.ingest import BatchFeed, describe_stall
+from pipelines.run.online_eval import EvaluationHandOver
 from pipelines.worker.args import WorkerArgs
 from pipelines.worker.checkpointer import Checkpointer
 from pipelines.worker.cursor import DataCursor, StepBlocks
@@ -127,7 +127,7 @@ class Trainer:
         if self.deal.padded:
             self.metrics.note(self.deal.describe(self.cfg.train.batch_size))
 
-    def train(self) -> None:
+    def run(self) -> None:
         while self.step < self.cfg.train.steps:
             for batch in self.cursor.batches():
                 self.run_step(batch)
@@ -216,10 +216,10 @@ class Trainer:
 def train_loop(config: dict) -> dict | None:
     """Ray Train's training function: `config["args"]` is the driver's WorkerArgs. Returns rank
     0's last report, the run's final metrics, which reach the driver as `Result.return_value`
-    (pipelines/train.py says why not `Result.metrics`); for a run relaunched once finished, which
+    (pipelines/run/driver.py says why not `Result.metrics`); for a run relaunched once finished, which
     trains and reports nothing, the last report of the checkpoint it restores."""
     args: WorkerArgs = config["args"]
     trainer = Trainer(args, RaySession(args.cfg))
     trainer.restore()
-    trainer.train()
+    trainer.run()
     return trainer.reported if trainer.rank == 0 else None

@@ -24,8 +24,8 @@ import typer
 import yaml
 from rich.console import Console
 
-from pipelines.console import first_line_of
-from pipelines.ray_connection import TOKEN_HELP, auth_token
+from pipelines.infra.console import first_line_of
+from pipelines.infra.ray_connection import TOKEN_HELP, auth_token
 
 console = Console(stderr=True, soft_wrap=True)  # stdout carries the job's own log
 

@@ -11,8 +11,8 @@ import numpy as np
 import ray
 
 from mdc.evaluation import probe, readers
-from mdc.train.checkpoint import load_pretrained
-from pipelines.ray_connection import connect_ray
+from mdc.training.checkpoint import load_pretrained
+from pipelines.infra.ray_connection import connect_ray
 
 
 class FeatureActor:

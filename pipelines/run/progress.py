@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from pipelines.concurrency import on_driver_node
+from pipelines.run.concurrency import on_driver_node
 
 POLL_S = 0.5
 DATA_WAIT_WARNING = 0.10  # share of step time spent waiting for batches worth telling the user about

@@ -23,9 +23,9 @@ from mlflow.tracking import MlflowClient
 from mdc import export
 from mdc.config import RunConfig
 from mdc.data import storage
-from mdc.train import checkpoint as ckpt
-from pipelines import progress, tracking
-from pipelines.console import UserError
+from mdc.training import checkpoint as ckpt
+from pipelines.infra.console import UserError
+from pipelines.run import progress, tracking
 
 ARTIFACT_PATH = "encoder"  # the run's artifact folder a version points at
 BEST = "best"

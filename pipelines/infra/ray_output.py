@@ -13,8 +13,8 @@ import ray
 import ray.data
 
 from mdc.config import RunConfig
-from pipelines import ray_private
-from pipelines.console import console
+from pipelines.infra import ray_private
+from pipelines.infra.console import console
 
 ROUTED_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "mlflow")
 

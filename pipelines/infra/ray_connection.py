@@ -1,6 +1,6 @@
 """Where the job runs: the Ray cluster at an address (with this process's token), the one Ray's
 current-cluster file names, or a local instance; and a Ray session for a command, its output routed
-(pipelines/ray_output.py) and its failures made one line."""
+(pipelines/infra/ray_output.py) and its failures made one line."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import ray
 import typer
 from ray.util.annotations import RayDeprecationWarning
 
-from pipelines import ray_private
-from pipelines.console import RunFailed, UserError, console, first_line_of, user_error_types
-from pipelines.ray_output import install_output_route, ray_output_to
+from pipelines.infra import ray_private
+from pipelines.infra.console import RunFailed, UserError, console, first_line_of, user_error_types
+from pipelines.infra.ray_output import install_output_route, ray_output_to
 
 PROBE_TIMEOUT_S = 3.0
 

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import ray
 from ray.cluster_utils import Cluster
 
-from pipelines import ray_private
-from pipelines.ray_connection import auth_token
+from pipelines.infra import ray_private
+from pipelines.infra.ray_connection import auth_token
 
 OBJECT_STORE = 200 * 1024**2  # per node: the tests' datasets are a few MB
 IDLE_WORKERS_KEPT = "64"  # RAY_num_workers_soft_limit: idle worker processes a node keeps

@@ -3,7 +3,7 @@
 `run_training` is the driver: it checks storage, builds the datasets, opens the MLflow run and
 launches a `TorchTrainer`. Every worker runs `pipelines.worker.trainer.train_loop`: it restores the newest complete
 checkpoint in the run's storage if there is one (a restarted worker group or a relaunched run with
-the same name), goes on with its epoch's data where it left it (pipelines/position.py), trains,
+the same name), goes on with its epoch's data where it left it (pipelines/run/position.py), trains,
 saves DCP checkpoints there and reports metrics through `ray.train.report`.
 """
 
@@ -21,11 +21,12 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from mdc.config import RunConfig, WorkersConfig
 from mdc.data import shards, storage
 from mdc.models.captioner import PRESETS
-from mdc.train import checkpoint as ckpt
-from pipelines import model_registry, online_eval, progress, reports, tracking
-from pipelines.concurrency import on_driver_node
-from pipelines.console import console
-from pipelines.ingest import (
+from mdc.training import checkpoint as ckpt
+from pipelines.infra.console import console
+from pipelines.infra.run_inputs import absolute_paths, check_inputs
+from pipelines.run import model_registry, online_eval, progress, reports, tracking
+from pipelines.run.concurrency import on_driver_node
+from pipelines.run.ingest import (
     BadRecordLedgerActor,
     DataStallError,
     EpochPlanActor,
@@ -34,9 +35,8 @@ from pipelines.ingest import (
     in_order_split,
     ingest_resources,
 )
-from pipelines.online_eval import EvaluationQueueActor
-from pipelines.position import fingerprint
-from pipelines.run_inputs import absolute_paths, check_inputs
+from pipelines.run.online_eval import EvaluationQueueActor
+from pipelines.run.position import fingerprint
 from pipelines.worker.args import IngestActors, WorkerArgs
 from pipelines.worker.callbacks import Callback
 from pipelines.worker.trainer import train_loop

@@ -26,12 +26,12 @@ from mdc.evaluation import captioning
 from mdc.evaluation.compositionality import evaluate_shapes
 from mdc.evaluation.probe import probe_shapes, random_init
 from mdc.registry import OBJECTIVES
-from mdc.train.checkpoint import load_pretrained
-from pipelines import model_registry, reports, tracking
-from pipelines.console import console
-from pipelines.local_s3 import create_bucket, local_s3_server
-from pipelines.ray_connection import ray_session
-from pipelines.train import run_training
+from mdc.training.checkpoint import load_pretrained
+from pipelines.infra.console import console
+from pipelines.infra.local_s3 import create_bucket, local_s3_server
+from pipelines.infra.ray_connection import ray_session
+from pipelines.run import model_registry, reports, tracking
+from pipelines.run.driver import run_training
 
 BUCKET = "mdc-demo"
 # Shapes images in the bucket (~2.4 passes of the demo's 600 steps); why 9,000: docs/design.md §11, 'Demo dataset size'

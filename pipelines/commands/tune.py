@@ -26,12 +26,12 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from mdc.config import RunConfig, apply_overrides, build_config
 from mdc.evaluation.probe import probe_shapes
-from mdc.train.checkpoint import load_pretrained
-from pipelines import concurrency, model_registry, progress, reports, tracking
-from pipelines.console import console, first_line_of
-from pipelines.run_inputs import absolute_paths
-from pipelines.search_space import SearchSpace, _copy, to_override_list
-from pipelines.train import run_training, storage_for
+from mdc.training.checkpoint import load_pretrained
+from pipelines.commands.search_space import SearchSpace, _copy, to_override_list
+from pipelines.infra.console import console, first_line_of
+from pipelines.infra.run_inputs import absolute_paths
+from pipelines.run import concurrency, model_registry, progress, reports, tracking
+from pipelines.run.driver import run_training, storage_for
 
 # A trial function only drives its trainer (Ray Train places the workers): it runs on the head,
 # asking no CPU (the head of a GPU cluster often has none), where losing a worker node cannot take
@@ -201,7 +201,7 @@ def run_sweep(
     verbose: bool = False,
 ) -> SweepSummary:
     """The sweep, `max_concurrent` trials at once (default: as many as the cluster's free
-    resources hold, pipelines.concurrency.fitting_runs); Ray Tune places them."""
+    resources hold, pipelines.run.concurrency.fitting_runs); Ray Tune places them."""
     base_cfg = absolute_paths(base_cfg)
     if max_concurrent is None:
         max_concurrent = concurrency.fitting_runs([base_cfg] * trial_count(space, num_samples))

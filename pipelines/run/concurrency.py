@@ -30,7 +30,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mdc.config import ConfigError, RunConfig, derive
-from pipelines import online_eval
+from pipelines.run import online_eval
 
 READER_CPUS = 1.0  # what a run's ingest needs at least when data.ingest_cpus is not set: one reader
 EPS = 1e-9
@@ -100,7 +100,7 @@ def share_ingest(cfg: RunConfig, max_concurrent: int, cluster_cpus: float | None
 def plan_concurrency(cfgs: dict[K, RunConfig], requested: int | None) -> tuple[int, dict[K, RunConfig]]:
     """(runs at once, each run's config with its ingest share) for the runs still to train, and a
     line on the console saying how many and why."""
-    from pipelines.console import console  # rich: only where a line is said
+    from pipelines.infra.console import console  # rich: only where a line is said
 
     n = resolve_max_concurrent(requested, list(cfgs.values()))
     if cfgs:

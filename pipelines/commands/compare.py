@@ -34,9 +34,9 @@ from mdc.evaluation import captioning
 from mdc.evaluation import compositionality as comp
 from mdc.evaluation import probe as linear_probe
 from mdc.registry import OBJECTIVES
-from mdc.train.checkpoint import load_pretrained
-from pipelines import concurrency, progress, reports, tracking
-from pipelines.train import run_training
+from mdc.training.checkpoint import load_pretrained
+from pipelines.run import concurrency, progress, reports, tracking
+from pipelines.run.driver import run_training
 
 DEFAULT_OBJECTIVES = tuple(OBJECTIVES)
 COLUMNS = {  # field -> (column title, format)

@@ -2,9 +2,9 @@
 
 A plan (YAML, `Plan` below) names the datasets, the arms (each a set of config overrides on a shared
 budget), the seeds, the evaluations and the claims. Every arm × seed is one training run through the
-same Ray Train pipeline as `mdc train` (`pipelines.train.run_training`), an MLflow child of the
+same Ray Train pipeline as `mdc train` (`pipelines.run.driver.run_training`), an MLflow child of the
 study's parent run, then evaluated in this process as `mdc compare` evaluates
-(`pipelines.compare.evaluate_checkpoint`). A run's metrics go to OUT/runs/RUN/result.json, written
+(`pipelines.commands.compare.evaluate_checkpoint`). A run's metrics go to OUT/runs/RUN/result.json, written
 last: launching the study again skips every finished run, and an interrupted one resumes from its
 last checkpoint (same run name).
 
@@ -38,9 +38,9 @@ from mdc.data.storage import join
 from mdc.data.tuxpaint import write_tuxpaint_dataset
 from mdc.evaluation import probe
 from mdc.registry import OBJECTIVES
-from pipelines import concurrency, model_registry, progress, reports, tracking
-from pipelines.compare import evaluate_checkpoint
-from pipelines.train import run_training
+from pipelines.commands.compare import evaluate_checkpoint
+from pipelines.run import concurrency, model_registry, progress, reports, tracking
+from pipelines.run.driver import run_training
 
 console = Console(soft_wrap=True)
 
@@ -60,7 +60,7 @@ CLAIM_FIELDS = (
     "ci_high",
     "verdict",
 )
-# Metrics a run reports (pipelines.compare.evaluate_checkpoint plus the training summary), by pattern.
+# Metrics a run reports (pipelines.commands.compare.evaluate_checkpoint plus the training summary), by pattern.
 RUN_METRICS = {
     r"final_loss|val_loss|train_images_per_s": None,
     r"probe_accuracy": "probe",
@@ -290,7 +290,7 @@ def result_path(out: Path, cfg: RunConfig) -> Path:
 
 def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: str, channel=None) -> dict:
     """One run's metrics: from its result.json when it finished before, else trained and evaluated.
-    `channel`: the progress channel of runs that train at once (pipelines.progress.shared)."""
+    `channel`: the progress channel of runs that train at once (pipelines.run.progress.shared)."""
     path = result_path(out, cfg)
     if path.is_file():
         console.print(f"{cfg.name}: finished before, not rerun")

@@ -16,7 +16,7 @@ The CPUs ingest may use are what the cluster has minus what the training workers
 (`ingest_resources`), cut into one reader per whole CPU (why: docs/design.md §11, 'Ingest readers'). Each decoded batch leaves its task as its own block, so what a task holds
 does not grow with its shard. Bad records are dropped where they are found and counted by reason,
 per shard, in one `BadRecordLedgerActor`. Rows carry their shard and place in it, for the data
-position a checkpoint stores (`pipelines/position.py`), and the run's `EpochPlanActor` tells the
+position a checkpoint stores (`pipelines/run/position.py`), and the run's `EpochPlanActor` tells the
 read tasks which epoch they read and, in a resumed epoch, the shards and rows trained before. A training worker that gets no batch for
 `data.stall_timeout_s` fails with a `DataStallError` that says which operator has produced nothing
 and what it waits for.
@@ -41,8 +41,8 @@ from mdc.config import ConfigError
 from mdc.data import shards
 from mdc.data.images import preprocess_batch
 from mdc.data.tokenizer import CaptionTokenizer
-from pipelines import ray_private
-from pipelines.position import EpochPlan, shard_order
+from pipelines.infra import ray_private
+from pipelines.run.position import EpochPlan, shard_order
 
 DECODE_BATCH = 64
 
@@ -196,7 +196,7 @@ def _decode(samples: list[shards.Sample], image_size: int, max_length: int, skip
 
 def _tagged(batches: Iterator[dict], index: int) -> Iterator[dict]:
     """A shard's batches with its index and each row's place in it; one batch is held back, so the
-    rows of the last one also carry the shard's row count (0 on the others): `pipelines.position`."""
+    rows of the last one also carry the shard's row count (0 on the others): `pipelines.run.position`."""
     rows, held = 0, None
     for batch in batches:
         n = len(batch["tokens"])

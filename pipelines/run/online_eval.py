@@ -27,9 +27,9 @@ from mdc.config import RunConfig
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.evaluation import compositionality, probe
 from mdc.registry import build_model
-from mdc.train import checkpoint as ckpt
-from pipelines import tracking
-from pipelines.ingest import ask
+from mdc.training import checkpoint as ckpt
+from pipelines.run import tracking
+from pipelines.run.ingest import ask
 from pipelines.worker.callbacks import Callback
 
 PROBE_KEY = "online/probe_accuracy"  # reports.ONLINE_CURVES draws it and the macro average
