@@ -1,4 +1,4 @@
-"""`mdc` command line: the Typer commands, apart from the Ray programs they start (pipelines/*.py).
+"""`mdc` command line: the Typer commands, apart from the Ray programs they start (pipelines/commands/, pipelines/run/).
  Configs and inputs are checked before Ray starts; a user error is one line
 and exit code 2, a run in which everything failed exit code 1."""
 
