@@ -1,6 +1,6 @@
 """How long a checkpoint stalls training: the longest step (the training step plus, on checkpoint
 steps, what the save keeps the training thread waiting for) with synchronous checkpoints and with
-`checkpoint.background`, in one run, saving to an S3 server (moto, in this process).
+`checkpoint.background`, in one run, saving to the local S3 server (moto, in its own process: its work does not hold this one's GIL).
 
     python -m benchmarks.checkpoint_stall [--preset tiny --steps 12 --every 4]
 """
@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
-import boto3
 import torch
 import torch.distributed as dist
-from moto.server import ThreadedMotoServer
 
 from benchmarks.train_throughput import init_single_process_group, training_setup
 from mdc.config import load_config
 from mdc.objectives.masked import MdcObjective
 from mdc.training.step import train_step
+from pipelines.infra.local_s3 import create_bucket, local_s3_server
 from pipelines.worker.checkpointer import Checkpointer
 
 
@@ -50,20 +48,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=4)
     args = parser.parse_args()
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        os.environ.setdefault(name, value)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="stall")
     init_single_process_group(True, "cpu")
     results = {}
-    try:
+    with local_s3_server() as endpoint:
+        create_bucket(endpoint, "stall")
         for mode in ("sync", "async"):
             cfg = load_config(
                 None,
@@ -79,9 +67,7 @@ def main() -> None:
             )
             times = step_times(cfg, f"s3://stall/{mode}", args.steps, args.every)
             results[mode] = {"longest_step_s": max(times), "median_step_s": statistics.median(times)}
-    finally:
-        dist.destroy_process_group()
-        server.stop()
+    dist.destroy_process_group()
     results["longest_async_over_sync"] = results["async"]["longest_step_s"] / results["sync"]["longest_step_s"]
     print(json.dumps(results))
 

@@ -51,36 +51,10 @@ class EMA:
             self.shadow[n].copy_(v)
 
 
-def train_step(
-    model,
-    optimizer,
-    scheduler,
-    images,
-    tokens,
-    objective,
-    grad_clip: float,
-    *,
-    generator=None,
-    ema: EMA | None = None,
-    micro_batches: int = 1,
-    weights: list[float] | None = None,
-) -> dict:
-    """`device_step` with its metrics read back as floats: for callers that look at every step
-    (tests, benchmarks); each read is a host sync."""
-    metrics = device_step(
-        model,
-        optimizer,
-        scheduler,
-        images,
-        tokens,
-        objective,
-        grad_clip,
-        generator=generator,
-        ema=ema,
-        micro_batches=micro_batches,
-        weights=weights,
-    )
-    return {k: float(as_plain(v)) for k, v in metrics.items()}
+def train_step(*args, **kwargs) -> dict:
+    """`device_step` (the same arguments) with its metrics read back as floats: for callers that
+    look at every step (tests, benchmarks); each read is a host sync."""
+    return {k: float(as_plain(v)) for k, v in device_step(*args, **kwargs).items()}
 
 
 def as_plain(value):
