@@ -205,3 +205,21 @@ def test_a_config_exported_by_the_version_before_the_sections_still_loads(tmp_pa
     assert cfg.compute.compile and cfg.workers.cpus == 1.0 and cfg.global_batch == 32
     with pytest.raises(ConfigError, match=r"train\.\w+ is now \w+\.\w+$"):
         load_config(path)  # a file the user wrote is told the new paths instead
+
+
+def test_config_show_lists_every_field_of_a_section_and_every_section():
+    """A newcomer finds each setting by its path: every field of every section is listed once."""
+    workers = CliRunner().invoke(app, ["config", "show", "workers"])
+    assert workers.exit_code == 0, workers.output
+    lines = workers.output.splitlines()
+    assert lines[0].startswith("workers: Ray Train's worker group")
+    assert [line.split(":")[0].strip() for line in lines[1:]] == [
+        f"workers.{f}" for f in RunConfig().workers.model_fields
+    ]
+    assert "workers.placement: 'PACK' | 'SPREAD' | 'STRICT_PACK' | 'STRICT_SPREAD' = 'PACK'" in workers.output
+    every = CliRunner().invoke(app, ["config", "show"]).output
+    for section in ("model", "data", "optim", "train", "checkpoint", "validation", "workers", "compute", "eval"):
+        for field in type(getattr(RunConfig(), section)).model_fields:
+            assert f"  {section}.{field}: " in every
+    unknown = CliRunner().invoke(app, ["config", "show", "trian"])
+    assert unknown.exit_code == 2 and "unknown config section 'trian'" in unknown.output

@@ -1,42 +1,76 @@
-"""`mdc config show [--objective NAME]`: what each objective's config section holds, read from the
-registry's config classes, one line a field (type, default, bounds, description)."""
+"""`mdc config show [SECTION] [--objective NAME]`: what each config section holds (each objective's
+own fields for `objective`), read from the config classes, one line a field (type, default,
+bounds, description): where a newcomer finds the setting to change."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional, get_args, get_origin
 
 import typer
+from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from mdc import registry
+from mdc.config import ConfigError, RunConfig
 from pipelines.infra.console import console, user_errors
 
 config_app = typer.Typer(no_args_is_help=True, help="What a run config can hold.")
 _BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+SECTIONS = {
+    name: field.annotation
+    for name, field in RunConfig.model_fields.items()
+    if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+}
 
 
-def field_line(name: str, field: FieldInfo) -> str:
-    kind = getattr(field.annotation, "__name__", str(field.annotation))
+def type_text(annotation) -> str:
+    if get_origin(annotation) is Literal:
+        return " | ".join(repr(value) for value in get_args(annotation))  # the allowed values
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def field_line(path: str, field: FieldInfo) -> str:
+    kind = type_text(field.annotation)
     bounds = ", ".join(
         f"{sign} {getattr(m, key)}" for m in field.metadata for key, sign in _BOUNDS.items() if hasattr(m, key)
     )
     about = (f"({bounds}) " if bounds else "") + (f"— {field.description}" if field.description else "")
-    return f"  objective.{name}: {kind} = {field.default!r} {about}".rstrip()
+    return f"  {path}: {kind} = {field.default!r} {about}".rstrip()
 
 
 def objective_lines(name: str) -> list[str]:
     """The objective's summary, then its own fields (`name` apart)."""
     entry = registry.objective(name)
-    fields = [field_line(key, field) for key, field in entry.config.model_fields.items() if key != "name"]
+    fields = [field_line(f"objective.{key}", f) for key, f in entry.config.model_fields.items() if key != "name"]
     return [f"objective.name={name}: {entry.summary}", *(fields or ["  (no fields of its own)"])]
+
+
+def section_lines(section: str) -> list[str]:
+    """The section's purpose (its class's docstring, first line), then its fields."""
+    if section == "objective":
+        return [line for name in registry.OBJECTIVES for line in objective_lines(name)]
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section {section!r}: one of {', '.join(['objective', *SECTIONS])}")
+    cls = SECTIONS[section]
+    about = (cls.__doc__ or "").strip().splitlines()[:1]
+    return [
+        f"{section}:" + (f" {about[0]}" if about else ""),
+        *(field_line(f"{section}.{k}", f) for k, f in cls.model_fields.items()),
+    ]
 
 
 @config_app.command("show")
 def show(
-    objective: Optional[str] = typer.Option(None, help=f"one of {', '.join(registry.OBJECTIVES)}; default: all"),
+    section: Optional[str] = typer.Argument(None, help="a config section (train, workers, ...); default: all"),
+    objective: Optional[str] = typer.Option(None, help=f"one of {', '.join(registry.OBJECTIVES)}: its own fields"),
 ):
-    """Each objective's config fields: type, default, bounds and what it is for."""
+    """Each config section's fields (an objective's own with --objective): type, default, bounds and
+    what it is for."""
     with user_errors(ValueError):
-        lines = [line for name in ([objective] if objective else registry.OBJECTIVES) for line in objective_lines(name)]
+        if objective:
+            lines = objective_lines(objective)
+        else:
+            names = [section] if section else [*SECTIONS, "objective"]
+            lines = [line for name in names for line in section_lines(name)]
     for line in lines:
         console.print(line, markup=False, highlight=False)
