@@ -78,7 +78,7 @@ def user_errors():
 def load(checkpoint: str, endpoint_url: str | None, device: str, mlflow_uri: str):
     """(model, RunConfig, local checkpoint directory); a registered version's is its captioner."""
     if checkpoint.startswith("models:/"):
-        from pipelines import model_registry  # MLflow: seconds to import, only for registered versions
+        from pipelines.run import model_registry  # MLflow: seconds to import, only for registered versions
 
         directory = model_registry.resolve(checkpoint, mlflow_uri) / export.CAPTIONER
     else:

@@ -50,14 +50,14 @@ def export_command(
 def write(source: str, directory: Path, captioner: bool, endpoint_url: str | None, mlflow_uri: str) -> None:
     """The export of `source` in the local folder `directory`."""
     if source.startswith("models:/"):
-        from pipelines import model_registry  # MLflow: seconds to import, only for registry sources
+        from pipelines.run import model_registry  # MLflow: seconds to import, only for registry sources
 
         shutil.copytree(model_registry.resolve(source, mlflow_uri), directory, dirs_exist_ok=True)
         if not captioner:
             shutil.rmtree(directory / export.CAPTIONER, ignore_errors=True)
         return
     if source.startswith("runs:/") or _RUN_ID.fullmatch(source):
-        from pipelines import model_registry  # MLflow: seconds to import, only for run sources
+        from pipelines.run import model_registry  # MLflow: seconds to import, only for run sources
 
         checkpoint, facts = model_registry.run_checkpoint(mlflow_uri, source, endpoint_url)
     else:

@@ -187,7 +187,7 @@ def scaling(
     """Dataset scaling: one model per nested subset size, the same steps each, probed; a size with a
     stored result is skipped. Extra arguments are `section.key=value` overrides; the validation split
     is the `val` beside --data when the manifest lists one, unless `data.val_uri=` is given."""
-    from pipelines import scaling as experiment  # the Ray program: seconds to import
+    from pipelines.commands import scaling as experiment  # the Ray program: seconds to import
 
     Settings.verbose = verbose
     with user_errors():
@@ -240,7 +240,7 @@ def study(
     """Run a study plan: every arm × seed trained through Ray Train (finished runs are not repeated),
     evaluated, and each claim judged by a Student-t interval over seed-paired differences
     (study.json, results.md, claims.png; MLflow)."""
-    from pipelines import study as studies  # the Ray program: seconds to import
+    from pipelines.commands import study as studies  # the Ray program: seconds to import
 
     Settings.verbose = verbose
     with user_errors(studies.StudyError):
@@ -270,7 +270,7 @@ def submit(
 ):
     """Run `-- mdc train|scaling ...` as a Ray job on the cluster: idempotent by submission id, follows
     its log, exits with its outcome."""
-    from pipelines import submit as submission  # Ray's job client: seconds to import
+    from pipelines.commands import submit as submission  # Ray's job client: seconds to import
 
     entrypoint = list(ctx.args)
     if not entrypoint:

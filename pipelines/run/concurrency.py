@@ -166,7 +166,7 @@ def _interrupt(stop: threading.Event, futures, kill_runs: bool = True) -> None:
     for future in futures:
         future.cancel()
     if kill_runs:
-        from pipelines import tracking  # MLflow: imported where runs are marked
+        from pipelines.run import tracking  # MLflow: imported where runs are marked
 
         tracking.kill_open_runs()
 
