@@ -203,3 +203,13 @@ def test_a_component_the_checkpoint_has_no_state_for_is_an_error(tmp_path):
     checkpointer(run_dir, state, {"train_state": Known({"step": 2})}).save(2)
     with pytest.raises(KeyError, match="no state for data"):
         checkpointer(run_dir, make_state(1), {"train_state": Known(), "data": Known()}).restore()
+
+
+def test_a_checkpoint_of_the_layout_before_states_json_is_refused_by_name(tmp_path):
+    """The layout before (trainer_state.json and a JSON a rank) cannot be resumed: said before any load."""
+    state = make_state(0)
+    uri = save(str(tmp_path / "run"), 1, state, tmp_path=tmp_path)
+    Path(uri, ckpt.STATES).rename(Path(uri, "trainer_state.json"))
+    parts, states = components(make_state(1), {})
+    with pytest.raises(ValueError, match=rf"has no {ckpt.STATES}: an mdc from before"):
+        ckpt.load_training_state(uri, *parts, states)

@@ -232,6 +232,11 @@ def marked_step(uri: str, endpoint_url: str | None = None) -> int:
 def load_training_state(directory: str | Path, model, optimizer, ema, states: Mapping[str, Stateful]) -> None:
     """Collective: restores model, optimiser and EMA, and every component of `states`, in place.
     A component the checkpoint holds no state for is an error, not a silent fresh start."""
+    if not Path(directory, STATES).is_file():  # read before any collective: every rank fails alike
+        raise ValueError(
+            f"checkpoint {directory} has no {STATES}: an mdc from before the components saved their own "
+            "state wrote it; resume it with that version, or train under a new run name"
+        )
     state = _state(model, optimizer, ema)
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
