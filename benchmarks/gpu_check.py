@@ -227,7 +227,12 @@ def real_path_commands(dry: bool, work: Path) -> list[list[str]]:
     common = ["--data", str(work / "shapes/train"), "--val", str(work / "shapes/val"), "--storage", str(work / "ckpt")]
     common += ["--mlflow-uri", f"sqlite:///{work / 'mlflow.db'}", "--name", "gpu-check", "--verbose"]
     common += ["compute.compile=true", "compute.activation_checkpointing=true", "checkpoint.background=true"]
-    common += ["optim.ema_decay=0.999", *[f"train.{k}={every}" for k in ("checkpoint_every", "log_every", "val_every")]]
+    common += [
+        "optim.ema_decay=0.999",
+        f"checkpoint.every={every}",
+        f"train.log_every={every}",
+        f"validation.every={every}",
+    ]
     if dry:
         common += ["--num-workers", "1", "workers.cpus=1", "train.batch_size=8", "--no-use-gpu"]
     else:

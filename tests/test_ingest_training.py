@@ -98,7 +98,7 @@ def test_a_source_that_never_yields_fails_with_one_error(ray_cluster, tmp_path, 
     monkeypatch.setattr(train, "build_dataset", silent_dataset)
     monkeypatch.setattr(train.shards, "list_shards", lambda *args: ["never-read.tar"])
     with pytest.raises(DataStallError) as info:  # within this test's timeout, although the source never ends
-        run(tmp_path, "stall", tmp_path, data__stall_timeout_s=5, train__max_failures=0)
+        run(tmp_path, "stall", tmp_path, data__stall_timeout_s=5, workers__max_failures=0)
     message = str(info.value)
     assert f"no batch from {tmp_path} reached training worker" in message
     assert "in 5 s (data.stall_timeout_s)" in message

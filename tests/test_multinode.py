@@ -87,17 +87,17 @@ def damaged_data(tmp_path_factory) -> tuple[Path, dict]:
     return root, damage_folder(str(root), "webdataset")
 
 
-def spread_config(tmp_path: Path, name: str, data: Path, **train):
+def spread_config(tmp_path: Path, name: str, data: Path, settings=None):
     """Two 0.5-CPU workers, one a node, a 0.5-CPU reader: 9 steps of epoch 0, complete checkpoints
-    at 3, 6, 9."""
+    at 3, 6, 9; `settings`: other values by dotted path."""
     items = {
-        "steps": 9,
-        "checkpoint_every": 3,
-        "keep_checkpoints": 10,
-        "log_every": 1,
-        "max_failures": 3,
-        "placement_strategy": "SPREAD",
-        **train,
+        "train.steps": 9,
+        "checkpoint.every": 3,
+        "checkpoint.keep": 10,
+        "train.log_every": 1,
+        "workers.max_failures": 3,
+        "workers.placement": "SPREAD",
+        **(settings or {}),
     }
     return load_config(
         None,
@@ -107,7 +107,7 @@ def spread_config(tmp_path: Path, name: str, data: Path, **train):
             "workers.count=2",
             "workers.cpus=0.5",
             "optim.warmup_steps=1",
-            *[f"train.{k}={v}" for k, v in items.items()],
+            *[f"{k}={v}" for k, v in items.items()],
         ],
     )
 
@@ -160,7 +160,7 @@ def test_losing_the_node_of_rank_1_resumes_on_a_replacement_like_an_uninterrupte
     replacement added. STRICT_SPREAD: the restarted group waits for a second node rather than
     packing onto the one left."""
     steady_cfg, steady_summary, steady_logs = steady
-    cfg = spread_config(tmp_path, "lost", damaged_data[0], placement_strategy="STRICT_SPREAD")
+    cfg = spread_config(tmp_path, "lost", damaged_data[0], {"workers.placement": "STRICT_SPREAD"})
     groups, checkpoint_6 = tmp_path / "logs" / "groups", tmp_path / "ckpt" / "lost" / "checkpoint_00000006"
     run = in_background(run_logged, cfg, tmp_path / "logs", holds=((2, 7, 1),))
     wait_until(lambda: (groups / "held_2_7").exists(), run, 480, "rank 1 to hold at step 7")
@@ -203,7 +203,7 @@ def test_a_reclaim_notice_checkpoints_at_once_and_the_restart_trains_no_step_twi
 ):
     """Once step 2 is trained, the node of a training worker is drained as a spot reclaim drains it
     (`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`, 30 s ahead). The next logged step
-    saves a just-in-time checkpoint (checkpoint_every is 100); the workers stop right after it (a
+    saves a just-in-time checkpoint (checkpoint.every is 100); the workers stop right after it (a
     test hold, as if the node went then) and a replacement node is added. At the deadline Ray Train
     restarts the group (max_failures is 0: the restart is charged to the preemption budget) on the
     node left and the replacement; the reclaimed node is then removed. The run resumes from the
@@ -214,7 +214,10 @@ def test_a_reclaim_notice_checkpoints_at_once_and_the_restart_trains_no_step_twi
 
     steady_cfg, steady_summary, steady_logs = steady
     cfg = spread_config(
-        tmp_path, "reclaimed", damaged_data[0], placement_strategy="STRICT_SPREAD", checkpoint_every=100, max_failures=0
+        tmp_path,
+        "reclaimed",
+        damaged_data[0],
+        {"workers.placement": "STRICT_SPREAD", "checkpoint.every": 100, "workers.max_failures": 0},
     )
     holds, rows = tmp_path / "holds", tmp_path / "rows"
     holds.mkdir()

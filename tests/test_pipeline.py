@@ -24,7 +24,8 @@ from pipelines.worker.callbacks import Fault
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 
 
-def tiny_config(tmp_path, name, train_uri, val_uri=None, endpoint=None, storage_uri=None, **train):
+def tiny_config(tmp_path, name, train_uri, val_uri=None, endpoint=None, storage_uri=None, settings=None):
+    """A 2-worker tiny run; `settings`: more overrides by dotted path."""
     overrides = [
         f"name={name}",
         f"storage_uri={storage_uri or tmp_path / 'ckpt'}",
@@ -38,7 +39,7 @@ def tiny_config(tmp_path, name, train_uri, val_uri=None, endpoint=None, storage_
     ]
     if endpoint:
         overrides.append(f"data.endpoint_url={endpoint}")
-    overrides += [f"train.{k}={v}" for k, v in train.items()]
+    overrides += [f"{k}={v}" for k, v in (settings or {}).items()]
     return load_config(None, overrides)
 
 
@@ -92,11 +93,13 @@ def test_fsdp_training_from_bucket_counts_bad_records(ray_cluster, s3_server, tm
         f"{bucket}/shapes/val",
         s3_server.endpoint_url,
         storage_uri=f"{bucket}/checkpoints",
-        steps=40,
-        checkpoint_every=20,
-        log_every=10,
-        val_every=20,
-        async_checkpoint=True,
+        settings={
+            "train.steps": 40,
+            "checkpoint.every": 20,
+            "train.log_every": 10,
+            "validation.every": 20,
+            "checkpoint.background": True,
+        },
     )
     with ray_output_to(tmp_path / "ray.log"):
         summary = run_training(cfg)
@@ -129,16 +132,10 @@ def _param_norm(state: dict) -> float:
 
 
 def fault_config(tmp_path, name, shapes_dir, max_failures, **train):
-    """8 steps, complete checkpoints at steps 3, 6 and 8."""
+    """8 steps, complete checkpoints at steps 3, 6 and 8; `train`: more train.* fields."""
+    settings = {"train.steps": 8, "checkpoint.every": 3, "train.log_every": 2, "workers.max_failures": max_failures}
     return tiny_config(
-        tmp_path,
-        name,
-        shapes_dir / "train",
-        steps=8,
-        checkpoint_every=3,
-        log_every=2,
-        max_failures=max_failures,
-        **train,
+        tmp_path, name, shapes_dir / "train", settings={**settings, **{f"train.{k}": v for k, v in train.items()}}
     )
 
 

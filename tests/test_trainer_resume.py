@@ -89,7 +89,7 @@ def test_a_chunk_gets_the_same_noise_and_crops_on_any_rank_and_split(gloo_proces
 
 
 def test_a_reclaim_notice_saves_a_checkpoint_at_the_next_logged_step_once(gloo_process_group, tmp_path):
-    """checkpoint_every 100, logged every 2 steps: the notice read at step 4 saves checkpoint 4 (and
+    """checkpoint.every 100, logged every 2 steps: the notice read at step 4 saves checkpoint 4 (and
     only it, though the notice is read again at 6 and 8); a second node's notice at 8 saves 8. The
     run resumed from 4 trains steps 5 on, as from any checkpoint."""
     from types import SimpleNamespace
