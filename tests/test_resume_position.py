@@ -48,12 +48,11 @@ def test_resume_point_goes_on_after_the_last_row_unless_the_position_does_not_fi
     position = DataPosition(epoch=2, shard_seed=0, shards=files, consumed=(0, 2), partial={1: 5})
     assert DataPosition.from_state(position.to_state()) == position
     assert DataPosition.from_state(json.loads(json.dumps(position.to_state()))) == position
-    assert resume_point(position, 2, 0, files, 3)[0] == EpochPlan(2, frozenset({0, 2}), {1: 5})
-    assert resume_point(None, 2, 0, files, 3)[0] == EpochPlan(3)  # an older checkpoint: fresh pass
-    assert resume_point(position, 2, 1, files, 3)[0] == EpochPlan(3)  # another seed
-    assert resume_point(position, 2, 0, fingerprint(["a.tar", "b.tar"]), 2)[0] == EpochPlan(3)
+    assert resume_point(position, 0, files, 3)[0] == EpochPlan(2, frozenset({0, 2}), {1: 5})
+    assert resume_point(position, 1, files, 3)[0] == EpochPlan(3)  # another seed
+    assert resume_point(position, 0, fingerprint(["a.tar", "b.tar"]), 2)[0] == EpochPlan(3)
     whole = DataPosition(epoch=2, shard_seed=0, shards=files, consumed=(0, 1, 2))
-    assert resume_point(whole, 2, 0, files, 3)[0] == EpochPlan(3)
+    assert resume_point(whole, 0, files, 3)[0] == EpochPlan(3)
 
 
 def test_an_epochs_shard_order_is_its_seed_and_epoch():

@@ -66,24 +66,18 @@ class DataPosition:
         return {STATE_KEY: {**asdict(self), "consumed": list(self.consumed), "partial": partial}}
 
     @classmethod
-    def from_state(cls, state: dict) -> DataPosition | None:
-        raw = state.get(STATE_KEY)
-        if raw is None:
-            return None
+    def from_state(cls, state: dict) -> DataPosition:
+        raw = state[STATE_KEY]
         partial = {int(k): v for k, v in raw.get("partial", {}).items()}
         return cls(**{**raw, "consumed": tuple(raw["consumed"]), "partial": partial})
 
 
-def resume_point(
-    position: DataPosition | None, epoch: int, shard_seed: int | None, shards: str, num_shards: int
-) -> tuple[EpochPlan, str]:
-    """(the plan of the epoch to train, why) for a run resumed at checkpoint epoch `epoch`. The
-    checkpoint's epoch goes on from its next row, unless the position is missing or belongs to
-    other data or another seed; an epoch consumed in full is over."""
-    if position is None:
-        return EpochPlan(epoch + 1), "the checkpoint has no data position: a fresh pass"
+def resume_point(position: DataPosition, shard_seed: int | None, shards: str, num_shards: int) -> tuple[EpochPlan, str]:
+    """(the plan of the epoch to train, why) for a run resumed at `position`. Its epoch goes on from
+    its next row, unless the position belongs to other data or another seed; an epoch consumed in
+    full is over."""
     if (position.shards, position.shard_seed) != (shards, shard_seed):
-        return EpochPlan(epoch + 1), "the shard list or train.seed changed since the checkpoint: a fresh pass"
+        return EpochPlan(position.epoch + 1), "the shard list or train.seed changed since the checkpoint: a fresh pass"
     if len(position.consumed) >= num_shards:
         return EpochPlan(position.epoch + 1), f"epoch {position.epoch} was consumed in full: a fresh pass"
     rows = sum(position.partial.values())

@@ -81,7 +81,7 @@ class DataCursor:
         if self.rank == 0:
             if self.restored is not None:
                 plan[0], why = resume_point(
-                    DataPosition.from_state(state), state["epoch"], self.seed, self.shard_list_id, self.num_shards
+                    DataPosition.from_state(state), self.seed, self.shard_list_id, self.num_shards
                 )
                 print(f"[mdc] data position: {why}", flush=True)
             if self.actors is not None:
@@ -126,14 +126,11 @@ class DataCursor:
         dist.barrier()  # no rank reads the next epoch before its plan is set
 
     def state_dict(self) -> dict:
-        """Collective. The epoch and the data position of the whole group (each rank's tally
+        """Collective. The data position (its epoch among it) of the whole group (each rank's tally
         summed over ranks) and, on rank 0, the bad-record counts of shards a relaunched run will
         not read again."""
         consumed, partial = self.tally.position(self.device)
-        state = {
-            "epoch": self.epoch,
-            **DataPosition(self.epoch, self.seed, self.shard_list_id, consumed, partial).to_state(),
-        }
+        state = DataPosition(self.epoch, self.seed, self.shard_list_id, consumed, partial).to_state()
         if self.rank == 0 and self.actors is not None:
             state[BAD_RECORDS_KEY] = ask(self.actors.bad_records.state.remote(), "the BadRecordLedgerActor")
         return state

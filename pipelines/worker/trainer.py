@@ -39,7 +39,7 @@ def param_norm(model) -> float:
 
 class Trainer:
     """Builds and shards the model and its components; `restore` resumes from the newest complete
-    checkpoint, if any, and `train` runs the steps. `session` is Ray Train's (session.RaySession).
+    checkpoint, if any, and `run` runs the steps. `session` is Ray Train's (session.RaySession).
     A `ckpt.Stateful` itself: its checkpoint state is its progress (`state_dict`)."""
 
     def __init__(self, args: WorkerArgs, session):
