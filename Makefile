@@ -18,11 +18,16 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(VENV)/bin/mdc demo
 
+# The Ray-free tests on two processes of one torch thread each (two threads each oversubscribe two
+# cores: 12 min instead of 4), a test module on one process so its module fixtures are built once;
+# then the Ray tests one at a time (each starts Ray on the machine's cores). Both always run.
+FREE_OF_RAY = OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope
 test: setup
-	$(PY) -m pytest -q
+	$(FREE_OF_RAY) -m "not ray"; free=$$?; \
+	$(PY) -m pytest -q -m ray; exit $$((free || $$?))
 
 test-fast: setup lint
-	$(PY) -m pytest -q -m "not ray and not slow"
+	$(FREE_OF_RAY) -m "not ray and not slow"
 
 lint: setup
 	$(PY) -m ruff check .

@@ -80,6 +80,13 @@ def shards_png(i: int) -> bytes:
     return buf.getvalue()
 
 
+def ingest_actors_alive() -> set[str]:
+    from ray.util.state import list_actors
+
+    alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    return {f"{a.class_name} {a.actor_id}" for a in alive if a.class_name in ("BadRecordLedger", "EpochPlanHolder")}
+
+
 def test_fsdp_training_from_bucket_counts_bad_records(ray_cluster, s3_server, tmp_path, capfd):
     """Two workers from a bucket, checkpoints uploaded to it in the background
     (checkpoint.background); the fault tests below save synchronously."""
@@ -101,9 +108,14 @@ def test_fsdp_training_from_bucket_counts_bad_records(ray_cluster, s3_server, tm
             "checkpoint.background": True,
         },
     )
+    before = ingest_actors_alive()
     with ray_output_to(tmp_path / "ray.log"):
         summary = run_training(cfg)
         console = "".join(capfd.readouterr())
+    deadline = time.monotonic() + 30
+    while (left := ingest_actors_alive() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left  # the run's ingest actors ended with it: a study's runs share one driver
 
     # What a person sees: the progress lines and the warning, none of Ray's internals.
     for internal in ("core_worker.cc", "Reporting training result", "Running Dataset", "RayTrainWorker"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,57 +120,57 @@ def _train(
     driver.note(f"preparing data ({data.train_uri}) and {workers_text(cfg.workers)} training workers")
     mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
     run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id)
-    actors = _run_actors()
     train_shards = shards.list_shards(data.train_uri, data.format, data.endpoint_url)
-    resources, datasets = _datasets(cfg, actors, train_shards)
-    with online_eval.reserved(cfg) as evaluation:  # before the worker group asks for its resources
-        evaluator = _evaluator(cfg, mlflow_uri, run_id, evaluation)
-        storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
-        run_dir = storage.join(cfg.storage_uri if storage.is_s3(cfg.storage_uri) else storage_path, cfg.name)
-        args = WorkerArgs(
-            cfg=cfg,
-            run_dir=run_dir,
-            mlflow_uri=mlflow_uri,
-            mlflow_run_id=run_id,
-            progress=channel,
-            ingest=resources,
-            shard_list_id=fingerprint(train_shards),
-            num_shards=len(train_shards),
-            actors=actors,
-            callbacks=callbacks,
-            evaluation_queue=evaluator,
-        )
-        trainer = TorchTrainer(
-            train_loop,
-            train_loop_config={"args": args},
-            scaling_config=scaling_config(cfg.workers),
-            run_config=ray.train.RunConfig(
-                name=cfg.name,
-                storage_path=storage_path,
-                storage_filesystem=filesystem,
-                failure_config=ray.train.FailureConfig(
-                    max_failures=cfg.workers.max_failures,
-                    max_preemption_failures=cfg.workers.max_preemption_failures,
-                ),
-                callbacks=ray_callbacks,
-            ),
-            datasets=datasets,
-            dataset_config=in_order_split(),
-            torch_config=TorchConfig(backend="nccl" if cfg.workers.use_gpu else "gloo"),
-        )
-        try:
-            result = trainer.fit()
-        except Exception as err:
-            tracking.finish_run(mlflow_uri, run_id, "FAILED")
-            stall = next(
-                (e for e in getattr(err, "worker_failures", {}).values() if isinstance(e, DataStallError)), None
+    with _run_actors() as actors:
+        resources, datasets = _datasets(cfg, actors, train_shards)
+        with online_eval.reserved(cfg) as evaluation:  # before the worker group asks for its resources
+            evaluator = _evaluator(cfg, mlflow_uri, run_id, evaluation)
+            storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
+            run_dir = storage.join(cfg.storage_uri if storage.is_s3(cfg.storage_uri) else storage_path, cfg.name)
+            args = WorkerArgs(
+                cfg=cfg,
+                run_dir=run_dir,
+                mlflow_uri=mlflow_uri,
+                mlflow_run_id=run_id,
+                progress=channel,
+                ingest=resources,
+                shard_list_id=fingerprint(train_shards),
+                num_shards=len(train_shards),
+                actors=actors,
+                callbacks=callbacks,
+                evaluation_queue=evaluator,
             )
-            if stall is not None:
-                raise DataStallError(str(stall.args[0] if stall.args else stall)) from None
-            raise
-        online = _online_results(cfg, evaluator, driver)
-        bad_records = ray.get(actors.bad_records.get.remote())
-        return _finish(cfg, mlflow_uri, run_id, run_dir, final_metrics(result), bad_records, driver, online)
+            trainer = TorchTrainer(
+                train_loop,
+                train_loop_config={"args": args},
+                scaling_config=scaling_config(cfg.workers),
+                run_config=ray.train.RunConfig(
+                    name=cfg.name,
+                    storage_path=storage_path,
+                    storage_filesystem=filesystem,
+                    failure_config=ray.train.FailureConfig(
+                        max_failures=cfg.workers.max_failures,
+                        max_preemption_failures=cfg.workers.max_preemption_failures,
+                    ),
+                    callbacks=ray_callbacks,
+                ),
+                datasets=datasets,
+                dataset_config=in_order_split(),
+                torch_config=TorchConfig(backend="nccl" if cfg.workers.use_gpu else "gloo"),
+            )
+            try:
+                result = trainer.fit()
+            except Exception as err:
+                tracking.finish_run(mlflow_uri, run_id, "FAILED")
+                stall = next(
+                    (e for e in getattr(err, "worker_failures", {}).values() if isinstance(e, DataStallError)), None
+                )
+                if stall is not None:
+                    raise DataStallError(str(stall.args[0] if stall.args else stall)) from None
+                raise
+            online = _online_results(cfg, evaluator, driver)
+            bad_records = ray.get(actors.bad_records.get.remote())
+            return _finish(cfg, mlflow_uri, run_id, run_dir, final_metrics(result), bad_records, driver, online)
 
 
 def final_metrics(result: ray.train.Result) -> dict:
@@ -200,14 +201,21 @@ def workers_text(workers: WorkersConfig) -> str:
     return f"{workers.min} to {workers.max} (elastic)" if workers.elastic else str(workers.min)
 
 
-def _run_actors() -> IngestActors:
+@contextlib.contextmanager
+def _run_actors() -> Iterator[IngestActors]:
     """The run's ingest actors: on the driver's node, so they stay with the driver when a worker
-    node is lost."""
+    node is lost. They end with the run: the runs of a study or sweep share one driver, which
+    would otherwise keep every finished run's actors (a process each) until it exits."""
     here = on_driver_node()
-    return IngestActors(
+    actors = IngestActors(
         bad_records=BadRecordLedgerActor.options(scheduling_strategy=here).remote(),
         epoch_plan=EpochPlanActor.options(scheduling_strategy=here).remote(),
     )
+    try:
+        yield actors
+    finally:
+        for actor in (actors.bad_records, actors.epoch_plan):
+            ray.kill(actor)
 
 
 def _evaluator(cfg: RunConfig, mlflow_uri: str, run_id: str, evaluation):

@@ -37,7 +37,6 @@ import numpy as np
 import ray
 import ray.train
 
-from mdc.config import ConfigError
 from mdc.data import shards
 from mdc.data.images import preprocess_batch
 from mdc.data.tokenizer import CaptionTokenizer
@@ -75,6 +74,8 @@ def ingest_resources(
     `eval_cpus` are kept for one online evaluation at a time (eval.cpus)."""
     budget = override if override is not None else cluster_cpus - training_cpus - eval_cpus
     if budget <= 0:
+        from mdc.config import ConfigError  # here: read tasks and ingest actors load no config or model stack
+
         evaluation = f" and online evaluation {eval_cpus:g} (eval.cpus)" if eval_cpus else ""
         raise ConfigError(
             f"no CPU left for data ingest: the cluster has {cluster_cpus:g} CPUs and the training workers "

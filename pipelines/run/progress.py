@@ -18,8 +18,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from pipelines.run.concurrency import on_driver_node
-
 POLL_S = 0.5
 DATA_WAIT_WARNING = 0.10  # share of step time spent waiting for batches worth telling the user about
 
@@ -41,6 +39,8 @@ class ProgressChannel:
 
 def open_channel():
     """A channel on the driver's node: a lost worker node does not take the display with it."""
+    from pipelines.run.concurrency import on_driver_node  # here: the channel's own process loads no model stack
+
     return ProgressChannel.options(scheduling_strategy=on_driver_node()).remote()
 
 
