@@ -26,6 +26,10 @@ from mdc.evaluation.readers import ImageSource, Split, load_image, read_split
 from mdc.registry import build_model
 
 DEFAULT_CS = tuple(np.logspace(-3, 2, 6))  # 1e-3 .. 1e2
+# Newton's method while its Hessian, (features x classes)^2, is small: exact in a few steps where lbfgs
+# crawls (pooled ViT features are near collinear; at random init lbfgs stopped at 1,000 iterations for
+# C >= 10, 0.59 instead of 0.65 validation accuracy at C = 100). Beyond it, lbfgs.
+NEWTON_MAX_COEFFICIENTS = 1024
 
 
 def preprocess(sources: Sequence[ImageSource], image_size: int) -> torch.Tensor:
@@ -67,11 +71,15 @@ def fit_probe(
     unconverged = []
 
     def fitted(c: float, x: np.ndarray, y: np.ndarray) -> LogisticRegression:
-        """lbfgs stops at max_iter on nearly separable features (weak regularisation): that C is
-        recorded in the result instead of a warning printed per fit."""
+        """A fit that stops at max_iter (lbfgs on nearly separable features) is recorded in the
+        result instead of a warning printed per fit. Newton's Cholesky runs in float64: in float32 it
+        refuses a Hessian whose reciprocal condition is under float32's epsilon and falls back to lbfgs."""
+        newton = x.shape[1] * len(np.unique(y)) <= NEWTON_MAX_COEFFICIENTS
+        solver = "newton-cholesky" if newton else "lbfgs"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ConvergenceWarning)
-            classifier = LogisticRegression(C=c, max_iter=max_iter, random_state=seed).fit(x, y)
+            classifier = LogisticRegression(C=c, solver=solver, max_iter=max_iter, random_state=seed)
+            classifier.fit(x.astype(np.float64) if newton else x, y)
         if any(issubclass(w.category, ConvergenceWarning) for w in caught):
             unconverged.append(float(c))
         return classifier

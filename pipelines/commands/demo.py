@@ -16,7 +16,6 @@ import warnings
 from pathlib import Path
 
 from rich.table import Table
-from sklearn.exceptions import ConvergenceWarning
 
 from mdc import export
 from mdc.config import DEFAULT_CONFIG, load_config
@@ -61,9 +60,7 @@ def evaluate_demo_model(checkpoint_dir: str, data_uri: str, endpoint_url: str) -
     """Linear probe on the held-out shapes labels (against the same architecture at random init)
     and ARO-style compositionality on the shapes pairs, scored by the objective's own scorer."""
     model, cfg = load_pretrained(checkpoint_dir)
-    with warnings.catch_warnings():  # lbfgs at its iteration limit for some C of the sweep: 8 lines of noise
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        probe = probe_shapes(model, data_uri, endpoint_url, baseline=random_init(cfg))
+    probe = probe_shapes(model, data_uri, endpoint_url, baseline=random_init(cfg))
     comp = evaluate_shapes(model, cfg.objective.name, data_uri, endpoint_url, samples=4, limit=100, benchmarks=("aro",))
     return {
         "probe_accuracy": probe["accuracy"],
