@@ -60,6 +60,12 @@ def fit_probe(
     max_iter: int = 1000,
 ) -> dict:
     """Top-1 test accuracy of a logistic regression whose C is chosen on a held-out part of train."""
+    # Newton's Cholesky in float32 refuses a Hessian whose reciprocal condition is under float32's
+    # epsilon (it falls back to lbfgs): the standardised features are float64 for it
+    newton = train_x.shape[1] * len(np.unique(train_y)) <= NEWTON_MAX_COEFFICIENTS
+    if newton:
+        train_x, test_x = train_x.astype(np.float64), test_x.astype(np.float64)
+    solver = "newton-cholesky" if newton else "lbfgs"
     scaler = StandardScaler().fit(train_x)
     train_x, test_x = scaler.transform(train_x), scaler.transform(test_x)
     counts = np.bincount(train_y)
@@ -71,15 +77,11 @@ def fit_probe(
     unconverged = []
 
     def fitted(c: float, x: np.ndarray, y: np.ndarray) -> LogisticRegression:
-        """A fit that stops at max_iter (lbfgs on nearly separable features) is recorded in the
-        result instead of a warning printed per fit. Newton's Cholesky runs in float64: in float32 it
-        refuses a Hessian whose reciprocal condition is under float32's epsilon and falls back to lbfgs."""
-        newton = x.shape[1] * len(np.unique(y)) <= NEWTON_MAX_COEFFICIENTS
-        solver = "newton-cholesky" if newton else "lbfgs"
+        """A fit that stops at max_iter (weak regularisation of nearly separable features) is
+        recorded in the result instead of a warning printed per fit."""
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ConvergenceWarning)
-            classifier = LogisticRegression(C=c, solver=solver, max_iter=max_iter, random_state=seed)
-            classifier.fit(x.astype(np.float64) if newton else x, y)
+            classifier = LogisticRegression(C=c, solver=solver, max_iter=max_iter, random_state=seed).fit(x, y)
         if any(issubclass(w.category, ConvergenceWarning) for w in caught):
             unconverged.append(float(c))
         return classifier
