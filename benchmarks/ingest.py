@@ -32,7 +32,7 @@ from mdc.data import shards
 from mdc.data.images import preprocess_batch
 from mdc.data.img2dataset import generated_rows, write_img2dataset_folder
 from mdc.data.tokenizer import CaptionTokenizer
-from pipelines.run.ingest import build_dataset, ingest_resources
+from pipelines.data.ingest import build_dataset, ingest_resources
 
 IMAGE_SIZE, SOURCE_SIZE, MAX_LENGTH, BATCH = 224, 256, 32, 64
 
@@ -63,7 +63,7 @@ def plain_loop(uri: str) -> int:
 
 
 def ray_pipeline(uri: str, in_order: bool = False) -> int:
-    """Images through the pipeline; `in_order`: as training reads it (pipelines/run/ingest.py), order
+    """Images through the pipeline; `in_order`: as training reads it (pipelines/data/ingest.py), order
     preserved, shards and row windows seeded, blocks of one micro-batch (BATCH rows)."""
     if not in_order:
         ds = build_dataset(uri, IMAGE_SIZE, MAX_LENGTH, shuffle_seed=None)

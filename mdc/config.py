@@ -285,7 +285,7 @@ class RunConfig(_Section):
     @property
     def micro_batches_per_step(self) -> int:
         """The global batch's micro-batches, dealt to however many workers train
-        (pipelines/worker/deal.py): any group size keeps the global batch, one that does not
+        (pipelines/data/deal.py): any group size keeps the global batch, one that does not
         divide this pads the short shares."""
         return self.global_batch // self.train.batch_size
 

@@ -48,7 +48,7 @@ class LocalSession:
     (one, unless the test made a bigger gloo group), CPU, `steps` batches of `batch` random 32-px
     images (with `same_images`, one batch repeated), cut into blocks of `block` rows and dealt as
     Ray's equal, order-preserving split deals them: block k to rank k mod world_size, each rank as
-    many whole blocks (pipelines/worker/deal.py)."""
+    many whole blocks (pipelines/data/deal.py)."""
 
     device = torch.device("cpu")
 
@@ -97,8 +97,8 @@ def local_trainer(tmp_path, steps: int, log_every: int, *overrides: str, same_im
     `session` says otherwise), writing checkpoints and MLflow under `tmp_path`; `trainer.events`
     are its progress events."""
     from mdc.config import load_config
-    from pipelines.run import tracking
-    from pipelines.run.ingest import IngestResources
+    from pipelines.data.ingest import IngestResources
+    from pipelines.infra import tracking
     from pipelines.worker.args import WorkerArgs
     from pipelines.worker.trainer import Trainer
 
@@ -167,7 +167,12 @@ def run_overrides(tmp_path, name: str, data) -> list[str]:
     ]
 
 
-LOCAL_RAY = {"num_cpus": 2, "object_store_memory": 512 * 1024**2, "include_dashboard": True}  # conftest's `ray_cluster`
+LOCAL_RAY = {
+    "address": "local",
+    "num_cpus": 2,
+    "object_store_memory": 512 * 1024**2,
+    "include_dashboard": True,
+}  # conftest's `ray_cluster`
 
 
 @contextlib.contextmanager
@@ -228,11 +233,11 @@ def rows_by_step(directory) -> dict[int, tuple[list[tuple[int, int]], dict[int, 
 
 def epoch_order(cfg, epoch: int = 0) -> list[tuple[int, int]]:
     """(shard, row) of epoch `epoch`'s rows in the one order training reads them in
-    (pipelines/run/ingest.py), read here through Ray Data with order preserved (needs Ray)."""
+    (pipelines/data/ingest.py), read here through Ray Data with order preserved (needs Ray)."""
     from mdc.data import shards
+    from pipelines.data.ingest import EpochPlanActor, build_dataset
+    from pipelines.data.position import EpochPlan
     from pipelines.run.driver import image_size
-    from pipelines.run.ingest import EpochPlanActor, build_dataset
-    from pipelines.run.position import EpochPlan
 
     plan = EpochPlanActor.remote()
     plan.set.remote(EpochPlan(epoch))

@@ -23,7 +23,7 @@ aten = torch.ops.aten
 HOST_SIDE = {
     ("torch/optim/optimizer.py", "_get_value"): "the optimiser's step count: a CPU tensor unless capturable or fused",
     ("mdc/data/augment.py", "draws"): "crop boxes drawn from the host's generator",
-    ("pipelines/run/position.py", "add"): "the data cursor's tally of the batch's host tensors (shard ids, rows)",
+    ("pipelines/data/position.py", "add"): "the data cursor's tally of the batch's host tensors (shard ids, rows)",
 }
 UNDISPATCHED_READS = ("tolist", "numpy", "cpu")  # host reads a CPU tensor makes without dispatching an op
 BOOL_INDEXED = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)

@@ -8,7 +8,7 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 
 from mdc.data.augment import RATIO, SCALE, augment, draws
-from pipelines.worker.seeds import augment_seed as _augment_seed
+from pipelines.data.seeds import augment_seed as _augment_seed
 
 
 def test_crop_boxes_lie_inside_with_the_area_and_aspect_asked_for():

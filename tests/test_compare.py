@@ -12,7 +12,7 @@ from mdc.training.checkpoint import load_pretrained
 from pipelines.cli import app
 from pipelines.commands import compare
 from pipelines.commands.compare import COLUMNS, run_compare
-from pipelines.run import tracking
+from pipelines.infra import tracking
 
 TINY = [
     "data.max_length=16",

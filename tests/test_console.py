@@ -15,7 +15,7 @@ from mdc.config import load_config
 from pipelines.cli import app
 from pipelines.infra import ray_connection, ray_output, run_inputs
 from pipelines.infra.console import UserError, report_failures
-from pipelines.run.progress import ProgressDisplay, step_line
+from pipelines.infra.progress import ProgressDisplay, step_line
 
 
 def closed_port() -> int:

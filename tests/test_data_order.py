@@ -1,4 +1,4 @@
-"""One order of the data, whatever spreads the work (pipelines/run/ingest.py, pipelines/worker/seeds.py):
+"""One order of the data, whatever spreads the work (pipelines/data/ingest.py, pipelines/data/seeds.py):
 the rows a step trains depend on the seed and the step, not on the number of readers or workers."""
 
 from concurrent.futures import ThreadPoolExecutor
@@ -11,8 +11,8 @@ from mlflow.tracking import MlflowClient
 
 from mdc.config import load_config
 from mdc.data.img2dataset import generated_rows, write_img2dataset_folder
-from pipelines.run import tracking
-from pipelines.run.ingest import IngestResources, ShuffleWindow, build_dataset, in_order_split
+from pipelines.data.ingest import IngestResources, ShuffleWindow, build_dataset, in_order_split
+from pipelines.infra import tracking
 
 
 def test_a_shuffle_window_is_its_seed_and_shard():
@@ -121,8 +121,8 @@ def test_the_same_rows_and_losses_on_one_worker_two_three_and_after_a_resize(ray
     that stop after checkpoint 3 (a worker dies, no retry) and a relaunch on one worker, which
     resumes at step 4 (the checkpoint resharded 2 → 1), and against three workers, which the 2
     micro-batches do not split over (each step one worker holds none and runs a weight-0 pass,
-    pipelines/worker/deal.py): every step the same 16 rows, none twice, and the same losses but
-    for float summation order (the same noise and crops for every chunk, pipelines/worker/seeds.py)."""
+    pipelines/data/deal.py): every step the same 16 rows, none twice, and the same losses but
+    for float summation order (the same noise and crops for every chunk, pipelines/data/seeds.py)."""
     from pipelines.run.driver import run_training
     from pipelines.worker.callbacks import Fault, RowRecorder
 

@@ -1,4 +1,4 @@
-"""Any group size trains the global batch (pipelines/worker/deal.py): the blocks Ray deals in turn
+"""Any group size trains the global batch (pipelines/data/deal.py): the blocks Ray deals in turn
 are every step's K chunks exactly once, every rank ends the epoch at the same step without asking
 the others, and 3 ranks that pad a short share train the weights 1 rank trains."""
 
@@ -12,10 +12,10 @@ from helpers import LocalSession, local_trainer
 
 from mdc.config import load_config
 from mdc.training.checkpoint import full_weights
-from pipelines.run import tracking
-from pipelines.run.ingest import BatchFeed
-from pipelines.worker.cursor import DataCursor
-from pipelines.worker.deal import BlockDeal
+from pipelines.data.cursor import DataCursor
+from pipelines.data.deal import BlockDeal
+from pipelines.data.feed import BatchFeed
+from pipelines.infra import tracking
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,8 +19,8 @@ from mlflow.tracking import MlflowClient
 from mdc.config import load_config
 from mdc.data.img2dataset import generated_rows, write_img2dataset_folder
 from mdc.training import checkpoint as ckpt
+from pipelines.infra import tracking
 from pipelines.infra.local_cluster import add_node
-from pipelines.run import tracking
 from pipelines.worker.callbacks import GroupLog, RowRecorder, group_lines
 
 pytestmark = pytest.mark.ray

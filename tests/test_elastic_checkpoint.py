@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from mdc.config import load_config
 from mdc.training import checkpoint as ckpt
-from pipelines.run import tracking
+from pipelines.infra import tracking
 
 pytestmark = pytest.mark.timeout(300)
 ELASTIC = ("workers.count=[1,2]", "train.global_batch_size=8", "checkpoint.every=3")

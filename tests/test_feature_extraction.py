@@ -15,9 +15,9 @@ from mdc.config import RunConfig, dump_config
 from mdc.evaluation import probe, readers
 from mdc.training.checkpoint import CONFIG, WEIGHTS, export_weights, load_pretrained
 from pipelines.cli import app
-from pipelines.run import tracking
+from pipelines.infra import tracking
+from pipelines.infra.tracking import EVAL_EXPERIMENT
 from pipelines.run.feature_extraction import Extractor, checkpoint_model
-from pipelines.run.tracking import EVAL_EXPERIMENT
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ from mdc.data.img2dataset import (
     sample_key,
     write_img2dataset_folder,
 )
-from pipelines.run.ingest import BatchFeed, DataStallError, ingest_resources
+from pipelines.data.feed import BatchFeed, DataStallError
+from pipelines.data.ingest import ingest_resources
 
 ROWS = generated_rows(60, image_size=32)  # 44 successes, 8 failed downloads, 8 failed resizes
 SUCCESSES = sum(r.jpg is not None for r in ROWS)

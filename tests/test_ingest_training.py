@@ -11,8 +11,8 @@ from mlflow.tracking import MlflowClient
 from mdc.config import load_config
 from mdc.data import shards, storage
 from mdc.data.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
+from pipelines.data.feed import DataStallError
 from pipelines.run import driver as train
-from pipelines.run.ingest import DataStallError
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]  # ~1 min alone; minutes on a shared machine
 

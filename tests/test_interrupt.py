@@ -18,7 +18,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from pipelines.commands.study import CLAIM_FIELDS
-from pipelines.run import concurrency, tracking
+from pipelines.infra import tracking
+from pipelines.run import concurrency
 
 REPO = Path(__file__).resolve().parent.parent
 MDC = str(Path(sys.executable).parent / "mdc")

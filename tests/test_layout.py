@@ -150,3 +150,34 @@ def test_objectives_are_told_apart_by_the_registry_not_by_name_switches():
         for line in objective_switches(ast.parse(path.read_text()), set(OBJECTIVES))
     ]
     assert len(switches) <= 3, switches
+
+
+LAYERS = ("cli", "commands", "run", "worker", "data", "infra")  # pipelines/, top to bottom
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    """Imports from a folder of pipelines/ to one above it in LAYERS."""
+
+    def layer(module: str) -> int | None:
+        parts = module.split(".")
+        return LAYERS.index(parts[1]) if parts[0] == "pipelines" and len(parts) > 2 and parts[1] in LAYERS else None
+
+    return sorted(
+        f"{source} -> {target}"
+        for source, targets in edges.items()
+        for target in targets
+        if layer(source) is not None and layer(target) is not None and layer(target) < layer(source)
+    )
+
+
+def test_the_layer_check_finds_a_planted_upward_import():
+    edges = {"pipelines.data.cursor": {"pipelines.worker.args", "pipelines.infra.actors"}, "pipelines.cli.runs": set()}
+    assert upward_imports(edges) == ["pipelines.data.cursor -> pipelines.worker.args"]
+
+
+def test_pipelines_reads_as_layers_with_no_import_running_back_up():
+    """cli over commands over run (driver side) over worker over data over infra: a folder imports
+    only its own and those below it (docs/design.md §1), function-local imports counted."""
+    edges = graph()
+    assert {p.name for p in (ROOT / "pipelines").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(LAYERS)
+    assert upward_imports(edges) == []

@@ -13,7 +13,8 @@ from mdc.config import RunConfig, dump_config
 from mdc.evaluation import probe
 from mdc.training.checkpoint import export_weights
 from pipelines.cli import app
-from pipelines.run import model_registry, tracking
+from pipelines.infra import tracking
+from pipelines.run import model_registry
 
 NAME = "mdc-mdc-tiny"
 

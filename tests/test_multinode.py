@@ -31,8 +31,8 @@ from benchmarks.study_concurrency import one_worker_runs
 from mdc.config import derive, load_config
 from mdc.data.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
 from mdc.training import checkpoint as ckpt
+from pipelines.infra import tracking
 from pipelines.infra.local_cluster import add_node
-from pipelines.run import tracking
 from pipelines.worker.callbacks import GroupLog, HoldAfterJustInTime, RowRecorder, group_lines
 
 pytestmark = pytest.mark.ray
@@ -59,7 +59,7 @@ def test_a_1_cpu_node_keeps_a_reader_process_between_tasks(multinode):
 
     @ray.remote(num_cpus=0.5)
     def reader() -> tuple[str, int]:
-        import pipelines.run.ingest  # noqa: F401  (what a read task imports)
+        import pipelines.data.ingest  # noqa: F401  (what a read task imports)
 
         return ray.get_runtime_context().get_node_id(), os.getpid()
 

@@ -15,6 +15,7 @@ from mdc.evaluation import compositionality, probe
 from mdc.registry import build_model
 from mdc.training import checkpoint as ckpt
 from pipelines.run import online_eval
+from pipelines.worker import online
 from pipelines.worker.checkpointer import Checkpointer
 
 
@@ -52,9 +53,9 @@ class Recorder:
 
 def test_rank0_hands_over_each_due_checkpoint_once_it_is_complete_and_waits_for_the_acks_at_the_last(monkeypatch):
     acknowledged = []
-    monkeypatch.setattr(online_eval, "ask", lambda refs, what: acknowledged.append(list(refs)))
+    monkeypatch.setattr(online, "ask", lambda refs, what: acknowledged.append(list(refs)))
     evaluator = Recorder()
-    callback = online_eval.EvaluationHandOver(config("eval.probe_every=20", "eval.data_uri=d"), "/runs/r", evaluator)
+    callback = online.EvaluationHandOver(config("eval.probe_every=20", "eval.data_uri=d"), "/runs/r", evaluator)
     for step in (20, 40):
         for rank in (0, 1):
             for at in ("shard_written", "committed"):

@@ -227,7 +227,7 @@ def test_unreachable_storage_fails_fast(ray_cluster, s3_server, tmp_path):
 def test_ingest_streams_parquet_and_tar_alike(ray_cluster, tmp_path):
     import ray
 
-    from pipelines.run.ingest import BadRecordLedgerActor, build_dataset
+    from pipelines.data.ingest import BadRecordLedgerActor, build_dataset
 
     for fmt in ("parquet", "webdataset"):
         write_shapes_dataset(str(tmp_path / fmt), num=120, seed=1, format=fmt, samples_per_shard=40)

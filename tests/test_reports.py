@@ -11,7 +11,8 @@ from mdc.config import load_config
 from mdc.data import shards
 from mdc.evaluation import captioning
 from pipelines.commands.demo import write_report
-from pipelines.run import reports, tracking
+from pipelines.infra import tracking
+from pipelines.run import reports
 
 
 def test_demo_report_holds_every_caption_image_the_curves_and_the_tables(shapes_dir, tmp_path):

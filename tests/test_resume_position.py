@@ -1,4 +1,4 @@
-"""Exact data position on resume (pipelines/run/position.py): the position arithmetic, the tagged
+"""Exact data position on resume (pipelines/data/position.py): the position arithmetic, the tagged
 rows the read tasks yield, and one run killed after a checkpoint and resumed, whose rows trained
 are compared with a whole epoch's."""
 
@@ -12,9 +12,9 @@ import torch
 from mdc.config import load_config
 from mdc.data.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
 from mdc.training import checkpoint as ckpt
-from pipelines.run import ingest
-from pipelines.run.ingest import BadRecordLedger, EpochPlanHolder, Subset, read_shards
-from pipelines.run.position import (
+from pipelines.data import ingest
+from pipelines.data.ingest import BadRecordLedger, EpochPlanHolder, Subset, read_shards
+from pipelines.data.position import (
     DataPosition,
     EpochPlan,
     ShardTally,

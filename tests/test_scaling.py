@@ -18,7 +18,7 @@ from pipelines.commands.scaling import (
     split_total,
     subset_fraction,
 )
-from pipelines.run.ingest import Subset
+from pipelines.data.ingest import Subset
 
 
 def test_sizes_parse_with_suffixes():

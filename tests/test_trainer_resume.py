@@ -59,9 +59,9 @@ def test_a_chunk_gets_the_same_noise_and_crops_on_any_rank_and_split(gloo_proces
     rank instead, rank 1's chunk would be cropped and masked as rank 0's."""
     from mdc.registry import compute_loss
     from mdc.training.step import device_step
-    from pipelines.worker.cursor import StepBlocks
-    from pipelines.worker.deal import BlockDeal
-    from pipelines.worker.seeds import noise_generator
+    from pipelines.data.cursor import StepBlocks
+    from pipelines.data.deal import BlockDeal
+    from pipelines.data.seeds import noise_generator
 
     trainer = local_trainer(tmp_path, 1, 1, "data.augment=crop", "train.global_batch_size=4", "train.batch_size=2")
     batch = trainer.session.batches[0]

@@ -90,7 +90,7 @@ def test_a_batch_that_does_not_split_is_refused():
 def test_a_global_batch_is_whole_micro_batches_and_any_group_size_keeps_it():
     """The optimiser's batch is a multiple of batch_size and nothing else: any number of workers
     (a fixed 3, or whatever Ray picks in an elastic range, e.g. 15 of [8, 16]) is dealt its
-    micro-batches (pipelines/worker/deal.py)."""
+    micro-batches (pipelines/data/deal.py)."""
     cfg = load_config(None, ["train.batch_size=8", "workers.count=2", "train.global_batch_size=64"])
     assert cfg.micro_batches_per_step == 8
     assert load_config(None, ["train.batch_size=8", "workers.count=2"]).global_batch == 16  # × the most

@@ -83,7 +83,7 @@ def test_shipped_spaces_load():
 
 
 def test_stopped_trials_are_killed_and_errored_ones_stay_failed(tmp_path):
-    from pipelines.run import tracking
+    from pipelines.infra import tracking
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)

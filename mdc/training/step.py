@@ -83,11 +83,11 @@ def device_step(
     accumulate before the one optimiser step: each micro-batch's loss (and metrics) are weighted
     `weights[i]`, by default 1/their number, so the step is the full batch's step when every
     micro-batch has the same loss normaliser (e.g. as many caption tokens). A worker whose share
-    of the global batch is short pads it with micro-batches of weight 0 (pipelines/worker/deal.py). An FSDP2 model reduces gradients across ranks, and frees its
+    of the global batch is short pads it with micro-batches of weight 0 (pipelines/data/deal.py). An FSDP2 model reduces gradients across ranks, and frees its
     gathered parameters after backward, only on the last micro-batch: the others reuse the
     parameters the first one gathered (one all-gather per step, not one per micro-batch). Noise
     draws come from `generator`, in micro-batch order, or from a list of one generator per
-    micro-batch (the worker's, pipelines/worker/seeds.py)."""
+    micro-batch (the worker's, pipelines/data/seeds.py)."""
     if images.shape[0] % micro_batches:
         raise ValueError(f"a batch of {images.shape[0]} does not split into {micro_batches} micro-batches")
     fsdp = isinstance(model, FSDPModule)

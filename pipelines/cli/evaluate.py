@@ -2,7 +2,7 @@
 zero-shot classification, compositionality, captions, caption infilling.
 
 Every command writes a JSON result (--out) and logs its metrics, the JSON and any page it wrote to
-MLflow (pipelines/run/tracking.py): into the training run with --run-id, else into a new run of the
+MLflow (pipelines/infra/tracking.py): into the training run with --run-id, else into a new run of the
 experiment `mdc-eval`. Probe features of large datasets (at least --ray-threshold images) come from
 Ray Data batch inference (pipelines/run/feature_extraction.py).
 
@@ -64,7 +64,7 @@ def report(
         console.print(f"{name}: {value:.4f}")
     console.print(f"result: {out}")
     if mlflow_uri:
-        from pipelines.run.tracking import log_evaluation  # MLflow: seconds to import, only when logging
+        from pipelines.infra.tracking import log_evaluation  # MLflow: seconds to import, only when logging
 
         logged = log_evaluation(mlflow_uri, metrics, [out, *extra_artifacts], run_id, run_name, params)
         console.print(f"MLflow run {logged} ({mlflow_uri})")

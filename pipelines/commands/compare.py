@@ -35,7 +35,8 @@ from mdc.evaluation import compositionality as comp
 from mdc.evaluation import probe as linear_probe
 from mdc.registry import OBJECTIVES
 from mdc.training.checkpoint import load_pretrained
-from pipelines.run import concurrency, progress, reports, tracking
+from pipelines.infra import progress, tracking
+from pipelines.run import concurrency, reports
 from pipelines.run.driver import run_training
 
 DEFAULT_OBJECTIVES = tuple(OBJECTIVES)

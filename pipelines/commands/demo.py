@@ -26,10 +26,11 @@ from mdc.evaluation.compositionality import evaluate_shapes
 from mdc.evaluation.probe import probe_shapes, random_init
 from mdc.registry import OBJECTIVES
 from mdc.training.checkpoint import load_pretrained
+from pipelines.infra import tracking
 from pipelines.infra.console import console
 from pipelines.infra.local_s3 import create_bucket, local_s3_server
 from pipelines.infra.ray_connection import ray_session
-from pipelines.run import model_registry, reports, tracking
+from pipelines.run import model_registry, reports
 from pipelines.run.driver import run_training
 
 BUCKET = "mdc-demo"

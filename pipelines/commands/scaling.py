@@ -29,8 +29,9 @@ from mdc.config import RunConfig, build_config
 from mdc.data import shards, storage
 from mdc.evaluation import probe, readers
 from mdc.training.checkpoint import load_pretrained
+from pipelines.infra import progress, tracking
 from pipelines.infra.console import UserError, console, first_line_of
-from pipelines.run import concurrency, model_registry, progress, reports, tracking
+from pipelines.run import concurrency, model_registry, reports
 from pipelines.run.driver import run_training
 
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9}

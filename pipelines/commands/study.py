@@ -39,7 +39,8 @@ from mdc.data.tuxpaint import write_tuxpaint_dataset
 from mdc.evaluation import probe
 from mdc.registry import OBJECTIVES
 from pipelines.commands.compare import evaluate_checkpoint
-from pipelines.run import concurrency, model_registry, progress, reports, tracking
+from pipelines.infra import progress, tracking
+from pipelines.run import concurrency, model_registry, reports
 from pipelines.run.driver import run_training
 
 console = Console(soft_wrap=True)
@@ -290,7 +291,7 @@ def result_path(out: Path, cfg: RunConfig) -> Path:
 
 def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: str, channel=None) -> dict:
     """One run's metrics: from its result.json when it finished before, else trained and evaluated.
-    `channel`: the progress channel of runs that train at once (pipelines.run.progress.shared)."""
+    `channel`: the progress channel of runs that train at once (pipelines.infra.progress.shared)."""
     path = result_path(out, cfg)
     if path.is_file():
         console.print(f"{cfg.name}: finished before, not rerun")

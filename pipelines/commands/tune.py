@@ -28,14 +28,15 @@ from mdc.config import RunConfig, apply_overrides, build_config
 from mdc.evaluation.probe import probe_shapes
 from mdc.training.checkpoint import load_pretrained
 from pipelines.commands.search_space import SearchSpace, _copy, to_override_list
+from pipelines.infra import progress, tracking
 from pipelines.infra.console import console, first_line_of
 from pipelines.infra.run_inputs import absolute_paths
-from pipelines.run import concurrency, model_registry, progress, reports, tracking
+from pipelines.run import concurrency, model_registry, reports
 from pipelines.run.driver import run_training, storage_for
 
 # A trial function only drives its trainer (Ray Train places the workers): it runs on the head,
 # asking no CPU (the head of a GPU cluster often has none), where losing a worker node cannot take
-# it, nor the run's actors and evaluator that stay beside it (`concurrency.on_driver_node`).
+# it, nor the run's actors and evaluator that stay beside it (`pipelines.infra.actors.on_driver_node`).
 TRIAL_DRIVER = {"CPU": 0, "node:__internal_head__": 0.01}
 # A trial whose driver fails anyway is run once more, and resumes from its own checkpoints.
 TRIAL_RETRIES = 1

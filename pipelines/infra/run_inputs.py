@@ -19,7 +19,7 @@ def absolute_uri(uri: str | None) -> str | None:
 def absolute_paths(cfg: RunConfig) -> RunConfig:
     """The config with every local path absolute (data, storage, MLflow store): workers and Tune
     trials run in other working directories, so a relative path would name another place there."""
-    from pipelines.run import tracking  # MLflow takes seconds to import: not before a user error
+    from pipelines.infra import tracking  # MLflow takes seconds to import: not before a user error
 
     raw = cfg.model_dump()
     raw["storage_uri"] = absolute_uri(raw["storage_uri"])

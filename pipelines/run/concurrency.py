@@ -13,9 +13,6 @@ helpers live.
   Train jobs end with this driver; the same command resumes them from their checkpoints.
 - `share_ingest`: a run's ingest CPUs when N runs share the cluster (what its share leaves beside
   its workers and its evaluation bundle), so that N runs never ask for more than the cluster has.
-- `on_driver_node`: the scheduling strategy that keeps a driver-side actor (progress channel,
-  bad-record ledger, passed-over shards) on the driver's node: a lost worker node must not take
-  them along, since the run they serve goes on.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import TypeVar
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mdc.config import ConfigError, RunConfig, derive
 from pipelines.run import online_eval
@@ -36,11 +32,6 @@ READER_CPUS = 1.0  # what a run's ingest needs at least when data.ingest_cpus is
 EPS = 1e-9
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
-
-
-def on_driver_node() -> NodeAffinitySchedulingStrategy:
-    """Pins an actor to the node this driver runs on (hard affinity: never elsewhere)."""
-    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def run_resources(cfg: RunConfig) -> dict[str, float]:
@@ -166,7 +157,7 @@ def _interrupt(stop: threading.Event, futures, kill_runs: bool = True) -> None:
     for future in futures:
         future.cancel()
     if kill_runs:
-        from pipelines.run import tracking  # MLflow: imported where runs are marked
+        from pipelines.infra import tracking  # MLflow: imported where runs are marked
 
         tracking.kill_open_runs()
 

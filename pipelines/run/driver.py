@@ -3,7 +3,7 @@
 `run_training` is the driver: it checks storage, builds the datasets, opens the MLflow run and
 launches a `TorchTrainer`. Every worker runs `pipelines.worker.trainer.train_loop`: it restores the newest complete
 checkpoint in the run's storage if there is one (a restarted worker group or a relaunched run with
-the same name), goes on with its epoch's data where it left it (pipelines/run/position.py), trains,
+the same name), goes on with its epoch's data where it left it (pipelines/data/position.py), trains,
 saves DCP checkpoints there and reports metrics through `ray.train.report`.
 """
 
@@ -23,22 +23,24 @@ from mdc.config import RunConfig, WorkersConfig
 from mdc.data import shards, storage
 from mdc.models.captioner import PRESETS
 from mdc.training import checkpoint as ckpt
-from pipelines.infra.console import console
-from pipelines.infra.run_inputs import absolute_paths, check_inputs
-from pipelines.run import model_registry, online_eval, progress, reports, tracking
-from pipelines.run.concurrency import on_driver_node
-from pipelines.run.ingest import (
+from pipelines.data.feed import DataStallError
+from pipelines.data.ingest import (
     BadRecordLedgerActor,
-    DataStallError,
     EpochPlanActor,
+    IngestActors,
     IngestResources,
     build_dataset,
     in_order_split,
     ingest_resources,
 )
+from pipelines.data.position import fingerprint
+from pipelines.infra import progress, tracking
+from pipelines.infra.actors import on_driver_node
+from pipelines.infra.console import console
+from pipelines.infra.run_inputs import absolute_paths, check_inputs
+from pipelines.run import model_registry, online_eval, reports
 from pipelines.run.online_eval import EvaluationQueueActor
-from pipelines.run.position import fingerprint
-from pipelines.worker.args import IngestActors, WorkerArgs
+from pipelines.worker.args import WorkerArgs
 from pipelines.worker.callbacks import Callback
 from pipelines.worker.trainer import train_loop
 

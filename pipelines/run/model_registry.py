@@ -24,8 +24,8 @@ from mdc import export
 from mdc.config import RunConfig
 from mdc.data import storage
 from mdc.training import checkpoint as ckpt
+from pipelines.infra import progress, tracking
 from pipelines.infra.console import UserError
-from pipelines.run import progress, tracking
 
 ARTIFACT_PATH = "encoder"  # the run's artifact folder a version points at
 BEST = "best"

@@ -28,9 +28,7 @@ from mdc.data.tokenizer import CaptionTokenizer
 from mdc.evaluation import compositionality, probe
 from mdc.registry import build_model
 from mdc.training import checkpoint as ckpt
-from pipelines.run import tracking
-from pipelines.run.ingest import ask
-from pipelines.worker.callbacks import Callback
+from pipelines.infra import tracking
 
 PROBE_KEY = "online/probe_accuracy"  # reports.ONLINE_CURVES draws it and the macro average
 COMPOSITIONALITY_PREFIX = "online/compositionality/"
@@ -150,25 +148,6 @@ class EvaluationQueue:
 
 
 EvaluationQueueActor = ray.remote(num_cpus=0)(EvaluationQueue)
-
-
-class EvaluationHandOver(Callback):
-    """Rank 0 hands each complete checkpoint that is due for evaluation to the run's evaluator
-    without waiting; at the last checkpoint it waits until every hand-over is acknowledged, so
-    none is lost with the worker when training ends."""
-
-    def __init__(self, cfg: RunConfig, run_dir: str, evaluator):
-        self.cfg, self.run_dir, self.evaluator = cfg, run_dir, evaluator
-        self.handed: list = []
-
-    def checkpoint(self, step: int, rank: int, at: str) -> None:
-        if rank != 0 or at != "committed":
-            return
-        if self.cfg.eval.evaluations_at(step):
-            self.handed.append(self.evaluator.submit.remote(step, ckpt.checkpoint_dir(self.run_dir, step)))
-        if step == self.cfg.train.steps and self.handed:
-            ask(self.handed, "the run's evaluation queue (the hand-over of the last checkpoints)")
-            self.handed = []
 
 
 def summary_line(results: list[dict]) -> str:

@@ -2,7 +2,7 @@
 curves, the scaling curve, a sweep's metrics and a study's claim intervals as PNGs, captions beside
 their images, put together as one self-contained HTML page (images inline). Used by the demo,
 `mdc eval captions`, the end of every training run, `mdc compare`, `mdc scaling`, `mdc tune` and
-`mdc study`; pipelines/run/tracking.py logs them to MLflow."""
+`mdc study`; pipelines/infra/tracking.py logs them to MLflow."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from mdc.data import shards
 from mdc.evaluation import captioning
 from mdc.registry import OBJECTIVES
 from mdc.training.checkpoint import load_pretrained
-from pipelines.run import tracking
+from pipelines.infra import tracking
 
 CURVES = ("loss", "val_loss")
 ONLINE_CURVES = ("online/probe_accuracy", "online/compositionality/macro")  # pipelines/run/online_eval.py's keys

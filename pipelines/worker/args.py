@@ -6,16 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mdc.config import RunConfig
-from pipelines.run.ingest import IngestResources
+from pipelines.data.ingest import IngestActors, IngestResources
 from pipelines.worker.callbacks import Callback
-
-
-@dataclass(frozen=True, kw_only=True)
-class IngestActors:
-    """The run's two ingest actors, which only the data cursor talks to."""
-
-    bad_records: Any  # ingest.BadRecordLedgerActor: bad-record counts per shard
-    epoch_plan: Any  # ingest.EpochPlanActor: the epoch the read tasks read, and what they pass over
 
 
 @dataclass(frozen=True, kw_only=True)

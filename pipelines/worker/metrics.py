@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from mdc.data.tokenizer import CaptionTokenizer
 from mdc.training.step import as_plain
-from pipelines.run import progress, tracking
+from pipelines.infra import progress, tracking
 
 TOKENS = "_tokens"  # the buffered steps' caption-token counts, summed over ranks rather than averaged
 

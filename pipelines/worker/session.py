@@ -20,7 +20,7 @@ class RaySession:
     def train_batches(self, epoch: int):
         """This rank's micro-batch blocks in turn, on the host, pinned for a GPU: the trainer moves
         the model's inputs without waiting (non_blocking) and tallies the tags where they are. The
-        rows come in the dataset's one order (shuffled upstream, pipelines/run/ingest.py), cut into
+        rows come in the dataset's one order (shuffled upstream, pipelines/data/ingest.py), cut into
         blocks of exactly batch_size: no local shuffle, which would make them the rank's."""
         return self.train.iter_torch_batches(
             batch_size=self.cfg.train.batch_size,

@@ -14,14 +14,14 @@ from mdc.data.tokenizer import CaptionTokenizer
 from mdc.registry import build_model
 from mdc.training.fsdp import prepare_model
 from mdc.training.step import EMA, build_optimizer, build_scheduler, device_step
-from pipelines.run.ingest import BatchFeed, describe_stall
-from pipelines.run.online_eval import EvaluationHandOver
+from pipelines.data.cursor import DataCursor, StepBlocks
+from pipelines.data.deal import BlockDeal
+from pipelines.data.feed import BatchFeed, describe_stall
+from pipelines.data.seeds import augment_seed, noise_generator
 from pipelines.worker.args import WorkerArgs
 from pipelines.worker.checkpointer import Checkpointer
-from pipelines.worker.cursor import DataCursor, StepBlocks
-from pipelines.worker.deal import BlockDeal
 from pipelines.worker.metrics import MetricsLogger, rank0_sinks
-from pipelines.worker.seeds import augment_seed, noise_generator
+from pipelines.worker.online import EvaluationHandOver
 from pipelines.worker.session import RaySession
 from pipelines.worker.validator import Validator
 

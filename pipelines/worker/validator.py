@@ -8,7 +8,7 @@ from mdc import registry
 from mdc.config import ObjectiveConfig, ValidationConfig
 from mdc.data.images import normalize
 from mdc.registry import compute_loss
-from pipelines.worker.seeds import noise_generator
+from pipelines.data.seeds import noise_generator
 
 
 def validation_objective(objective: ObjectiveConfig) -> ObjectiveConfig:

@@ -10,28 +10,26 @@ For training the rows leave in one order, whatever the number of readers: the sh
 order, each shard's rows in their seeded windows, cut into blocks of exactly one micro-batch
 (`rows_per_block`), which Ray Data, told to preserve order, deals to the training workers in turn —
 block k to worker k mod W. A step's global batch is the next global_batch_size rows of that order
-whatever W is (pipelines/worker/seeds.py says which of them each rank trains).
+whatever W is (pipelines/data/seeds.py says which of them each rank trains).
 
 The CPUs ingest may use are what the cluster has minus what the training workers hold
 (`ingest_resources`), cut into one reader per whole CPU (why: docs/design.md §11, 'Ingest readers'). Each decoded batch leaves its task as its own block, so what a task holds
 does not grow with its shard. Bad records are dropped where they are found and counted by reason,
 per shard, in one `BadRecordLedgerActor`. Rows carry their shard and place in it, for the data
-position a checkpoint stores (`pipelines/run/position.py`), and the run's `EpochPlanActor` tells the
+position a checkpoint stores (`pipelines/data/position.py`), and the run's `EpochPlanActor` tells the
 read tasks which epoch they read and, in a resumed epoch, the shards and rows trained before. A training worker that gets no batch for
 `data.stall_timeout_s` fails with a `DataStallError` that says which operator has produced nothing
-and what it waits for.
+and what it waits for (pipelines/data/feed.py).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import queue
-import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import ray
@@ -40,14 +38,11 @@ import ray.train
 from mdc.data import shards
 from mdc.data.images import preprocess_batch
 from mdc.data.tokenizer import CaptionTokenizer
+from pipelines.data.position import EpochPlan, shard_order
 from pipelines.infra import ray_private
-from pipelines.run.position import EpochPlan, shard_order
+from pipelines.infra.actors import ask
 
 DECODE_BATCH = 64
-
-
-class DataStallError(RuntimeError):
-    """No batch reached a training worker within data.stall_timeout_s; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -133,15 +128,12 @@ class EpochPlanHolder:
 EpochPlanActor = ray.remote(num_cpus=0)(EpochPlanHolder)  # one actor per run, every read task asks it
 
 
-ACTOR_TIMEOUT_S = 60.0
+@dataclass(frozen=True, kw_only=True)
+class IngestActors:
+    """The run's two ingest actors, which only the data cursor talks to."""
 
-
-def ask(call: ray.ObjectRef | list, what: str):
-    """The answer of a call to one of the run's actors, or an error naming it after ACTOR_TIMEOUT_S."""
-    try:
-        return ray.get(call, timeout=ACTOR_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        raise TimeoutError(f"{what} did not answer in {ACTOR_TIMEOUT_S:g} s") from None
+    bad_records: Any  # BadRecordLedgerActor: bad-record counts per shard
+    epoch_plan: Any  # EpochPlanActor: the epoch the read tasks read, and what they pass over
 
 
 class ShuffleWindow:
@@ -197,7 +189,7 @@ def _decode(samples: list[shards.Sample], image_size: int, max_length: int, skip
 
 def _tagged(batches: Iterator[dict], index: int) -> Iterator[dict]:
     """A shard's batches with its index and each row's place in it; one batch is held back, so the
-    rows of the last one also carry the shard's row count (0 on the others): `pipelines.run.position`."""
+    rows of the last one also carry the shard's row count (0 on the others): `pipelines.data.position`."""
     rows, held = 0, None
     for batch in batches:
         n = len(batch["tokens"])
@@ -338,85 +330,3 @@ def in_order_split() -> ray.train.DataConfig:
     options = ray.train.DataConfig.default_ingest_options()
     options.preserve_order = True
     return ray.train.DataConfig(datasets_to_split=["train"], execution_options={"train": options})
-
-
-# ------------------------------------------------------------------------------------------ stalls
-
-
-def stalled_operator() -> str:
-    """The first operator of the newest running training dataset that has completed no task,
-    from Ray Data's own progress records (what its progress bar shows)."""
-    try:
-        stats = ray_private.data_stats_actor()
-        datasets = ray.get(stats.get_datasets.remote(), timeout=10)
-    except Exception as e:  # a diagnosis must never hide the stall it explains
-        return f"Ray Data's progress is unavailable ({type(e).__name__})"
-    # PENDING too: Ray Data publishes progress every 5 s, so a young dataset may not show RUNNING yet
-    running = [d for tag, d in datasets.items() if d.get("state") in ("PENDING", "RUNNING") and tag.startswith("train")]
-    if not running:
-        return "no training dataset is running in Ray Data"
-    newest = max(running, key=lambda d: d.get("start_time", 0))
-    for tag, op in newest["operators"].items():
-        name = op.get("name") or tag.rsplit("_", 1)[0]  # tags are NAME_INDEX
-        if op.get("progress", 0) == 0 and not name.startswith("Input"):
-            return f"Ray Data operator {name} has produced no rows ({op.get('queued_blocks', 0)} input blocks queued)"
-    return "every Ray Data operator has produced rows, but none reached this worker"
-
-
-def describe_stall(uri: str, timeout_s: float, rank: int, resources: IngestResources, training_cpus: float) -> str:
-    total, free = ray.cluster_resources().get("CPU", 0.0), ray.available_resources().get("CPU", 0.0)
-    return (
-        f"no batch from {uri} reached training worker {rank} in {timeout_s:g} s (data.stall_timeout_s): "
-        f"{stalled_operator()}; ingest requests {resources.cpus_per_reader:g} CPU per reader "
-        f"(up to {resources.max_readers}, budget {resources.budget:g}) and {free:g} of the cluster's "
-        f"{total:g} CPUs are free, {training_cpus:g} held by the training workers"
-    )
-
-
-class BatchFeed:
-    """Batches handed over one ahead by a thread. A pipeline that yields nothing for `timeout_s`
-    raises DataStallError(describe()) instead of waiting for ever, and `wait_s` adds up the time
-    the consumer spent waiting for batches: its data wait."""
-
-    def __init__(self, timeout_s: float, describe: Callable[[], str]):
-        self.timeout_s, self.describe, self.wait_s = timeout_s, describe, 0.0
-
-    def __call__(self, batches: Iterable) -> Iterator:
-        handoff: queue.Queue = queue.Queue(maxsize=1)
-        stop, end = threading.Event(), object()
-
-        def put(item) -> bool:
-            while not stop.is_set():
-                try:
-                    handoff.put(item, timeout=1.0)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        def pull() -> None:
-            try:
-                for batch in batches:
-                    if not put(batch):
-                        return
-                put(end)
-            except BaseException as e:  # re-raised in the consumer
-                put(e)
-
-        threading.Thread(target=pull, name="batch-feed", daemon=True).start()
-        try:
-            while True:
-                start = time.perf_counter()
-                try:
-                    item = handoff.get(timeout=self.timeout_s)
-                except queue.Empty:
-                    raise DataStallError(self.describe()) from None
-                finally:
-                    self.wait_s += time.perf_counter() - start
-                if item is end:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()

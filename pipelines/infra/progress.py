@@ -39,7 +39,7 @@ class ProgressChannel:
 
 def open_channel():
     """A channel on the driver's node: a lost worker node does not take the display with it."""
-    from pipelines.run.concurrency import on_driver_node  # here: the channel's own process loads no model stack
+    from pipelines.infra.actors import on_driver_node  # here: the channel's own process loads no model stack
 
     return ProgressChannel.options(scheduling_strategy=on_driver_node()).remote()
 

@@ -1,5 +1,5 @@
 """Every random draw of a step depends only on (seed, step, chunk), chunk c being the c-th
-micro-batch of the step's global batch, whichever rank trains it (pipelines/worker/deal.py says
+micro-batch of the step's global batch, whichever rank trains it (pipelines/data/deal.py says
 which): the same rows, t, masks and crops however the global batch is split (1 worker × 2
 micro-batches, 2 workers × 1, 3 workers over 2 with one padding), before and after an elastic
 resize, and a resumed run draws what the uninterrupted one would have."""

@@ -1,7 +1,7 @@
 """Which micro-batches of a step's global batch each rank trains, for any world size.
 
 Ingest cuts the epoch's one order into blocks of exactly `batch_size` rows and Ray Data, told to
-preserve order, deals block k of the stream to rank k mod W (pipelines/run/ingest.py). A step is K =
+preserve order, deals block k of the stream to rank k mod W (pipelines/data/ingest.py). A step is K =
 global_batch_size / batch_size consecutive blocks, so in step j of the stream rank r holds the
 blocks k of [jK, (j+1)K) with k ≡ r (mod W): ⌈K/W⌉ or ⌊K/W⌋ of them (none when K < W). Every rank
 runs `passes` = ⌈K/W⌉ micro-batches, a short share padded with passes of loss weight 0 (FSDP's

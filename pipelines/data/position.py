@@ -2,7 +2,7 @@
 
 An epoch's order is a function of (train.seed, epoch): its shards in a seeded order
 (`shard_order`), each shard's rows in seeded windows (`ingest.ShuffleWindow`), and step s trains
-the next global_batch_size rows of it (pipelines/run/ingest.py). The read tasks tag every row with its
+the next global_batch_size rows of it (pipelines/data/ingest.py). The read tasks tag every row with its
 shard's index in the sorted shard list and its row in the shard (in that order), and the rows of
 a shard's last batch with the shard's row count. Each rank tallies the rows it trained per shard
 (`ShardTally`); at a checkpoint the tallies are summed over ranks. Since the steps trained are a

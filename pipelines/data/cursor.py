@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipelines.run.ingest import BatchFeed, ask
-from pipelines.run.position import DataPosition, EpochPlan, ShardTally, resume_point
-from pipelines.worker.args import IngestActors
-from pipelines.worker.deal import BlockDeal
+from pipelines.data.deal import BlockDeal
+from pipelines.data.feed import BatchFeed
+from pipelines.data.ingest import IngestActors
+from pipelines.data.position import DataPosition, EpochPlan, ShardTally, resume_point
+from pipelines.infra.actors import ask
 
 BAD_RECORDS_KEY = "skipped_by_shard"  # the bad-record counts per shard in the cursor's checkpoint state
 
@@ -74,7 +75,7 @@ class DataCursor:
 
     def start(self) -> None:
         """Collective. Where the run goes on: a run restored from a checkpoint (`load_state_dict`)
-        continues its epoch from its next row (pipelines/run/position.py), otherwise it starts from
+        continues its epoch from its next row (pipelines/data/position.py), otherwise it starts from
         scratch. Rank 0 decides (every rank holds the same state, but a changed world size must not
         make ranks disagree) and sets the ingest actors before any rank may start reading."""
         plan, state = [EpochPlan()], self.restored or {}
@@ -97,7 +98,7 @@ class DataCursor:
 
     def batches(self) -> Iterator[StepBlocks]:
         """The rest of the current epoch, a step at a time; ends it (`_end_epoch`) at the first step
-        the stream cannot fill for every rank (pipelines/worker/deal.py: no rank needs to ask)."""
+        the stream cannot fill for every rank (pipelines/data/deal.py: no rank needs to ask)."""
         self.tally = ShardTally(self.num_shards, self.plan, self.rank)
         stream, held, received, step, last = iter(self.feed(self.source(self.epoch))), [], 0, 0, None
         while True:
