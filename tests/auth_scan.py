@@ -46,17 +46,10 @@ import yaml
 
 NAME = "RAY_AUTH_MODE"
 ON = "token"
-_VALUE = (
-    "("
-    + r'"[^"\n]*"'
-    + "|"
-    + r"'[^'\n]*'"
-    + "|"
-    + r"\$\{[^}\n]*\}[^\s;&|)\]},'\"#]*"
-    + "|"
-    + r"[^\s;&|)\]},`'\"#]*"
-    + ")"
-)
+# a value as shell, YAML or Python writes it: double- or single-quoted, a ${...} expansion (and
+# what follows it), or a bare word
+_WORDS = (r'"[^"\n]*"', r"'[^'\n]*'", r"\$\{[^}\n]*\}[^\s;&|)\]},'\"#]*", r"[^\s;&|)\]},`'\"#]*")
+_VALUE = "(" + "|".join(_WORDS) + ")"
 _Q = r"""["']?"""
 SHELL_FORMS = {
     "set": re.compile(rf"(?<![\w$]){_Q}{NAME}{_Q}[ \t]*(?:[:?+!]?=|:(?![-=?+]))[ \t]*{_VALUE}"),
@@ -76,7 +69,6 @@ SHELL_UNSETS = re.compile(
 UNSETTING_CALLS = {"pop", "unsetenv", "delenv"}
 READING_CALLS = {"get", "getenv", "__getitem__", "__contains__"}
 PLACEHOLDER = re.compile(r"\$\{[^}\n]*\}")
-TEXT_SUFFIXES = {"", ".sh", ".md", ".txt", ".toml", ".cfg", ".ini", ".env", ".dockerignore", ".mk"}
 
 
 def is_on(value) -> bool:
