@@ -7,7 +7,11 @@ as DISABLED), and KubeRay's `authOptions.mode` has the same two states. So the s
 allow-list: wherever a file *sets* NAME or `authOptions.mode`, the value must be the literal
 `token`; a value it cannot read (`$MODE`, `${MODE:-token}`, a ConfigMap reference, a variable) is
 reported too, since a deployer can make it anything. Unsetting NAME is reported: `ray start` then
-runs without authentication unless a token file happens to exist.
+runs without authentication unless a token file happens to exist. Ray's system-config entry
+AUTH_MODE (`ray.init(_system_config=...)`, `ray start --system-config`) is held to the same rule:
+measured on Ray 2.60 with RAY_AUTH_MODE=token, that entry `disabled` made the driver read its mode
+as DISABLED and the GCS hand its cluster id to a client without a token (refused at the GCS
+without the entry); the raylet still refused that client and the Jobs API still answered 401.
 
 How each kind of file is read:
 - YAML (and JSON): parsed, every document walked with line numbers. A mapping key `authOptions`,
@@ -45,6 +49,9 @@ from pathlib import Path
 import yaml
 
 NAME = "RAY_AUTH_MODE"
+# keys that set the mode: the variable, and its entry in Ray's system config (the docstring)
+KEYS = (NAME, "AUTH_MODE")
+_KEY = f"(?:RAY_)?{KEYS[1]}"
 ON = "token"
 # a value as shell, YAML or Python writes it: double- or single-quoted, a ${...} expansion (and
 # what follows it), or a bare word
@@ -52,11 +59,11 @@ _WORDS = (r'"[^"\n]*"', r"'[^'\n]*'", r"\$\{[^}\n]*\}[^\s;&|)\]},'\"#]*", r"[^\s
 _VALUE = "(" + "|".join(_WORDS) + ")"
 _Q = r"""["']?"""
 SHELL_FORMS = {
-    "set": re.compile(rf"(?<![\w$]){_Q}{NAME}{_Q}[ \t]*(?:[:?+!]?=|:(?![-=?+]))[ \t]*{_VALUE}"),
+    "set": re.compile(rf"(?<![\w$]){_Q}{_KEY}{_Q}[ \t]*(?:[:?+!]?=|:(?![-=?+]))[ \t]*{_VALUE}"),
     "expansion default": re.compile(rf"\$\{{{NAME}:?[-=?+]([^}}\n]*)\}}"),
     "Dockerfile ENV": re.compile(rf"^[ \t]*ENV[ \t]+{NAME}[ \t]+{_VALUE}", re.MULTILINE),
-    "Python item set": re.compile(rf"\[\s*['\"]{NAME}['\"]\s*\]\s*=\s*{_VALUE}"),
-    "call setting it": re.compile(rf"(?<!\.get)(?<!getenv)(?<!\.pop)\(\s*['\"]{NAME}['\"]\s*,\s*{_VALUE}"),
+    "Python item set": re.compile(rf"\[\s*['\"]{_KEY}['\"]\s*\]\s*=\s*{_VALUE}"),
+    "call setting it": re.compile(rf"(?<!\.get)(?<!getenv)(?<!\.pop)\(\s*['\"]{_KEY}['\"]\s*,\s*{_VALUE}"),
     "env list entry": re.compile(rf"{_Q}name{_Q}\s*:\s*{_Q}{NAME}{_Q}[ \t]*,\s*{_Q}value{_Q}\s*:\s*{_VALUE}"),
     "env list entry (block)": re.compile(rf"name:[ \t]*{_Q}{NAME}{_Q}[ \t]*(?:#.*)?\n[ \t]*value:[ \t]*{_VALUE}"),
     "env list entry (value first)": re.compile(rf"value:[ \t]*{_VALUE}[ \t]*(?:#.*)?\n[ \t]*name:[ \t]*{_Q}{NAME}"),
@@ -173,8 +180,8 @@ def mapping_findings(node: yaml.MappingNode, originals: dict[str, str], line: in
         settings = {plain(k): v for k, v in options.value} if isinstance(options, yaml.MappingNode) else {}
         mode = settings.get("mode", options)
         found += [(at(mode), f) for f in judged(plain(settings.get("mode")), f"authOptions: mode {plain(mode)!r}")]
-    if NAME in entries:
-        found += [(at(entries[NAME]), f) for f in judged(plain(entries[NAME]), f"{NAME}: {plain(entries[NAME])!r}")]
+    for key in (k for k in KEYS if k in entries):
+        found += [(at(entries[key]), f) for f in judged(plain(entries[key]), f"{key}: {plain(entries[key])!r}")]
     if "name" in entries and plain(entries["name"]) == NAME:
         value = entries.get("value", entries["name"])
         what = f"env entry {NAME}: value {plain(value)!r}" if "value" in entries else f"env entry {NAME}, no value"
@@ -221,8 +228,8 @@ def python_node_findings(node: ast.AST, resolved) -> list[str]:
     """What one syntax node does to NAME: [] when it keeps or only reads it."""
     if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        if any(isinstance(t, ast.Subscript) and resolved(t.slice) == NAME for t in targets):
-            return judged(resolved(node.value), f"[{NAME!r}] = {ast.unparse(node.value)}")
+        if any(isinstance(t, ast.Subscript) and resolved(t.slice) in KEYS for t in targets):
+            return judged(resolved(node.value), f"{ast.unparse(targets[0])} = {ast.unparse(node.value)}")
     if isinstance(node, ast.Delete) and any(
         isinstance(t, ast.Subscript) and resolved(t.slice) == NAME for t in node.targets
     ):
@@ -231,9 +238,12 @@ def python_node_findings(node: ast.AST, resolved) -> list[str]:
         return python_call_findings(node, resolved)
     if isinstance(node, ast.Dict):
         entries = {resolved(k): v for k, v in zip(node.keys, node.values) if k is not None}
-        found = (
-            judged(resolved(entries[NAME]), f"{{{NAME!r}: {ast.unparse(entries[NAME])}}}") if NAME in entries else []
-        )
+        found = [
+            f
+            for k in KEYS
+            if k in entries
+            for f in judged(resolved(entries[k]), f"{{{k!r}: {ast.unparse(entries[k])}}}")
+        ]
         if "name" in entries and resolved(entries["name"]) == NAME:
             value = entries.get("value")
             found += judged(resolved(value) if value else None, f"env entry {NAME}: {ast.unparse(node)}")
@@ -246,12 +256,12 @@ def python_call_findings(node: ast.Call, resolved) -> list[str]:
     found = [
         f
         for keyword in node.keywords
-        if keyword.arg == NAME
-        for f in judged(resolved(keyword.value), f"{method}({NAME}={ast.unparse(keyword.value)})")
+        if keyword.arg in KEYS
+        for f in judged(resolved(keyword.value), f"{method}({keyword.arg}={ast.unparse(keyword.value)})")
     ]
-    if not node.args or resolved(node.args[0]) != NAME or method in READING_CALLS:
+    if not node.args or resolved(node.args[0]) not in KEYS or method in READING_CALLS:
         return found
-    if method in UNSETTING_CALLS:
+    if method in UNSETTING_CALLS and resolved(node.args[0]) == NAME:
         return found + [f"unsets {NAME}: {ast.unparse(node)}"]
     if len(node.args) >= 2:
         found += judged(resolved(node.args[1]), f"{ast.unparse(node)}")

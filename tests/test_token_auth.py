@@ -84,6 +84,8 @@ OFF = [
     ("argv.py", 'import subprocess\nsubprocess.run(["env", "RAY_AUTH_MODE=disabled", "ray", "start"])\n', 2),
     ("fstring.py", 'import subprocess\nsubprocess.run(f"RAY_AUTH_MODE={mode} ray start", shell=True)\n', 2),
     ("pod.py", 'container = {"env": [{"name": "RAY_AUTH_MODE", "value": "disabled"}]}\n', 1),
+    ("system-config.py", 'import ray\nray.init(_system_config={"AUTH_MODE": "disabled"})\n', 2),
+    ("system-config.sh", 'ray start --head --system-config=\'{"AUTH_MODE": "disabled"}\'\n', 1),
     ("python-c.sh", 'python -c \'import os; os.environ["RAY_AUTH_MODE"] = "disabled"\'\n', 1),
 ]
 # What keeps it on, or only reads it: none of these is a finding (a scan that flagged every
@@ -91,7 +93,8 @@ OFF = [
 ON = [
     (
         "keep.py",
-        'import os\nos.environ["RAY_AUTH_MODE"] = "token"\nos.environ.setdefault("RAY_AUTH_MODE", "token")\n'
+        'import os\nAUTH_MODE_ENV_VAR = "RAY_AUTH_MODE"\nos.environ[AUTH_MODE_ENV_VAR] = "token"\n'
+        'os.environ.setdefault("RAY_AUTH_MODE", "token")\n'
         'mode = os.environ.get("RAY_AUTH_MODE", "unset")\nif "RAY_AUTH_MODE" in os.environ:\n    pass\n'
         'env = dict(os.environ, RAY_AUTH_MODE="token")\n"""Ray sends it only under RAY_AUTH_MODE=token."""\n',
     ),
