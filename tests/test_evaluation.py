@@ -392,6 +392,23 @@ def test_fit_probe_chooses_c_on_held_out_train_and_scores_test():
     assert set(result["val_accuracy"]) == set(probe.DEFAULT_CS)
 
 
+def test_the_probe_chooses_c_without_looking_at_the_test_split():
+    """C is chosen on a held-out part of train: with the test labels shuffled, `best_c` and every
+    validation accuracy stay the same and only the test accuracy moves. Overlapping classes make
+    the validation accuracy differ between Cs, so a choice by test score would land elsewhere."""
+    rng = np.random.default_rng(0)
+    centres = rng.normal(0, 1, (3, 8))
+    y = rng.integers(0, 3, 400)
+    x = centres[y] + rng.normal(0, 1.5, (400, 8))
+    honest = probe.fit_probe(x[:200], y[:200], x[200:], y[200:])
+    assert len(set(honest["val_accuracy"].values())) > 1  # C matters on this data
+    for seed in range(6):
+        shuffled = np.random.default_rng(seed).permutation(y[200:])
+        result = probe.fit_probe(x[:200], y[:200], x[200:], shuffled)
+        assert (result["best_c"], result["val_accuracy"]) == (honest["best_c"], honest["val_accuracy"]), seed
+        assert result["accuracy"] < honest["accuracy"] - 0.2  # the shuffled labels did reach the score
+
+
 @pytest.mark.parametrize("newton_max_coefficients", [probe.NEWTON_MAX_COEFFICIENTS, 0], ids=["newton", "lbfgs"])
 def test_fits_that_stop_at_max_iter_are_recorded_not_printed(newton_max_coefficients, monkeypatch):
     """Separable classes and 3 iterations of either solver: the weakly regularised fits cannot
@@ -465,6 +482,37 @@ def test_evaluation_counts_ties_as_wrong(tmp_path):
     assert result["accuracy"]["s"] == pytest.approx(1 / 3) and result["num_items"]["s"] == 3
     assert result["blind_accuracy"]["s"] == pytest.approx(1 / 3)  # a text-only scorer: blind = accuracy
     assert result["normalize"] == "none" and result["text_biased"] == []
+
+
+def test_an_item_counts_only_if_the_true_caption_beats_every_one_of_its_four_negatives(tmp_path):
+    """ARO's COCO-Order layout read as published: each caption is an item with ARO's four word-order
+    negatives. A stand-in scorer gives each item's five captions the scores below, by position
+    (true caption first); only the two items whose true caption is strictly above all four count.
+    Against the weakest negative all six would, against the first only four."""
+    scores = {  # true caption: [true, negative 1 .. negative 4]
+        "a man riding a brown horse on the beach": [5, 1, 2, 3, 4],  # beats every one
+        "a dog runs fast on the beach": [2.5, 2, 1, 0, -1],  # beats every one, the first by a hair
+        "a brown dog on the beach": [3, 1, 2, 0, 4],  # beats three, not the last
+        "the man runs on a brown beach": [1, 2, 3, 0, 4],  # beats only the weakest
+        "a horse runs on the beach": [3, 4, 0, 1, 2],  # loses to the first only
+        "the brown horse runs fast": [4, 1, 4, 2, 3],  # ties the strongest
+    }
+    captions = list(scores)
+    for i in range(3):
+        write_image(tmp_path / "val2014" / f"COCO_val2014_{i}.jpg")
+    entries = [{"image": f"val2014/COCO_val2014_{i}.jpg", "caption": captions[2 * i : 2 * i + 2]} for i in range(3)]
+    (tmp_path / "coco_karpathy_test.json").write_text(json.dumps(entries))
+    items = comp.read_benchmark("aro", tmp_path, subsets=["coco_order"], tagger=fake_tagger)
+    assert [len(item.captions) for item in items["coco_order"]] == [5] * 6
+
+    def by_position(model, images, texts, samples=None, generator=None):
+        return torch.tensor([scores[texts[0][b]] for b in range(len(images))], dtype=torch.float32)
+
+    model = torch.nn.Linear(1, 1)
+    model.image_size = 8
+    result = comp.evaluate_compositionality(model, items, by_position, batch_size=4)
+    assert result["accuracy"]["coco_order"] == pytest.approx(2 / 6) and result["num_items"]["coco_order"] == 6
+    assert result["blind_accuracy"]["coco_order"] == pytest.approx(2 / 6)  # text only: blind = accuracy
 
 
 @pytest.mark.parametrize("n", [2, 3, 10, 101])
@@ -554,6 +602,33 @@ def test_longer_negatives_are_won_by_text_alone_and_flagged(tmp_path):
     assert result["accuracy"]["add_att"] > 0.8
     assert abs(result["blind_accuracy"]["add_att"] - result["accuracy"]["add_att"]) < 0.1
     assert result["text_biased"] == ["add_att"]
+
+
+def test_zeroshot_reads_each_class_from_its_own_prompts():
+    """Three colours, two templates, six solid images over two batches; a stand-in scorer gives 0 to
+    a prompt naming the image's colour and −10 to the others. Every image is classified right only
+    if each class's scores are read from its own two prompts (prompts written template-major but
+    read class-major put green and blue at a tie with a wrong class)."""
+    colours = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
+    names = list(colours)
+    labels = np.array([0, 1, 2, 2, 1, 0])
+    sources = [np.full((8, 8, 3), colours[names[label]], np.uint8) for label in labels]
+    split = readers.Split("colours/test", sources, labels, names)
+    asked = []
+
+    def names_the_colour(model, images, texts, samples=None, generator=None):
+        asked.append([t[0] for t in texts])
+        shown = [names[c] for c in images.mean((2, 3)).argmax(1).tolist()]  # the brightest channel
+        return torch.tensor(
+            [[0.0 if f" {shown[b]} " in f" {t[b]} " else -10.0 for t in texts] for b in range(len(images))]
+        )
+
+    model = torch.nn.Linear(1, 1)
+    model.image_size = 8
+    templates = ("a photo of a {}.", "a {} thing")
+    result = zeroshot.zeroshot_classify(model, split, names_the_colour, templates, batch_size=4)
+    assert result == {"accuracy": 1.0, "num_test": 6, "templates": list(templates)}
+    assert len(asked) == 2 and len(asked[0]) == len(names) * len(templates)
 
 
 # ------------------------------------------------------------ on the demo recipe, trained here

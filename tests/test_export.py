@@ -69,6 +69,29 @@ def test_timm_alone_reproduces_mdc_patch_tokens(preset, tmp_path):
     assert config["pretrained_cfg"]["input_size"] == [3, size, size]
 
 
+def test_timms_transform_from_the_exported_folder_makes_the_inputs_mdc_trained_on(tmp_path):
+    """A user of the folder prepares images with timm's own `resolve_data_config` and
+    `create_transform`: on images whose centre crop falls on whole pixels they must equal mdc's
+    training transform (bicubic resize, centre crop, CLIP's mean and std, each pinned by value)."""
+    import timm.data
+    from PIL import Image
+
+    from mdc.data.images import ImageTransform
+
+    cfg = RunConfig.model_validate({"data": {"max_length": 16}})
+    model = probe.random_init(cfg, seed=0)
+    folder = export.export_encoder(model, cfg, tmp_path / "encoder")
+    pretrained = json.loads((folder / "config.json").read_text())["pretrained_cfg"]
+    assert pretrained["mean"] == [0.48145466, 0.4578275, 0.40821073]  # CLIP's, as open_clip publishes them
+    assert pretrained["std"] == [0.26862954, 0.26130258, 0.27577711]
+    encoder = timm.create_model(f"local-dir:{folder}", pretrained=True)
+    transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=encoder))
+    size, rng = model.image_size, np.random.default_rng(0)
+    for width, height in ((size, size), (2 * size, size), (size, 3 * size), (4 * size, 4 * size)):
+        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        np.testing.assert_allclose(transform(image).numpy(), ImageTransform(size)(image), atol=1e-6, rtol=0)
+
+
 def test_export_command_writes_timm_folder_card_and_captioner(tmp_path):
     cfg = RunConfig.model_validate({"data": {"max_length": 16}})
     checkpoint = checkpoint_of(cfg, tmp_path / "run" / "checkpoint_00000010")

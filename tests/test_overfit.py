@@ -12,9 +12,10 @@ from mdc.models.captioner import Captioner
 from mdc.registry import OBJECTIVES
 from mdc.sampling import generate_autoregressive, sample_masked
 from mdc.scoring import autoregressive_score, monte_carlo_elbo, pseudo_log_likelihood
-from mdc.training.step import EMA, build_optimizer, build_scheduler, train_step, warmup_cosine
+from mdc.training.step import build_optimizer, build_scheduler, train_step
 
-pytestmark = pytest.mark.slow  # every test here trains a model to overfit (minutes)
+# every test here trains a model to overfit (minutes); the step's unit tests are in test_step.py
+pytestmark = pytest.mark.slow
 
 COLOURS = {
     "red": (230, 25, 25),
@@ -145,22 +146,3 @@ def test_ar_loss_falls_and_score_prefers_the_true_relation(ar_run, data):
 def test_ar_greedy_decoding_writes_the_training_captions(ar_run, data):
     model, _ = ar_run
     assert data["tok"].decode(generate_autoregressive(model, data["images"])) == data["captions"]
-
-
-def test_warmup_cosine_schedule():
-    assert [warmup_cosine(s, 4, 12) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert warmup_cosine(8, 4, 12) == pytest.approx(0.5)
-    assert warmup_cosine(12, 4, 12) == pytest.approx(0.0)
-    assert warmup_cosine(50, 4, 12) == pytest.approx(0.0)
-
-
-def test_ema_is_an_exponential_moving_average():
-    model = torch.nn.Linear(2, 1)
-    start = model.weight.detach().clone()
-    ema = EMA(model, decay=0.9)
-    with torch.no_grad():
-        model.weight.add_(1.0)
-    ema.update(model)
-    ema.update(model)
-    # two updates towards start + 1: the remaining gap is 0.9²
-    torch.testing.assert_close(ema.shadow["weight"], start + 1.0 - 0.81)

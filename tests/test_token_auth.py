@@ -4,13 +4,13 @@ job to the end, and a missing or wrong token is one line that says how to give i
 a token. Nothing in the product turns Ray's authentication off."""
 
 import os
-import re
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import auth_scan
 import pytest
 from test_submit import ray_head  # noqa: F401  (the fixture: one token-authenticated head per module)
 
@@ -19,17 +19,141 @@ from mdc.data.shapes import write_shapes_dataset
 REPO = Path(__file__).resolve().parent.parent
 MDC = str(Path(sys.executable).parent / "mdc")
 WRONG = "0123456789abcdef0123456789abcdef"
-TURNS_AUTH_OFF = re.compile(r"RAY_AUTH_MODE\W{0,6}disabled")
+SCANNED = ("pipelines", "mdc", "cluster", ".ci", "docs", "configs", "studies", "tune_spaces", "benchmarks", "tests")
+SCANNED_FILES = ("Makefile", "README.md", "pyproject.toml")
+BINARY = {".png", ".jpg", ".pyc", ".npy", ".gz", ".safetensors"}
+# Files allowed to hold findings, and why: none of them configures a Ray cluster.
+ALLOWED = {"tests/test_token_auth.py": "the planted forms below, which the scan must find"}
+
+# (file name, text, the line the scan must name): every way found to turn token auth off.
+OFF = [
+    # YAML: KubeRay, Kubernetes, docker compose, Ray's cluster launcher and runtime_env
+    ("env.yaml", 'containers:\n- name: ray-head\n  env:\n  - name: RAY_AUTH_MODE\n    value: "disabled"\n', 5),
+    ("value-first.yaml", "env:\n- value: disabled\n  name: RAY_AUTH_MODE\n", 2),
+    ("value-from.yaml", "env:\n- name: RAY_AUTH_MODE\n  valueFrom: {configMapKeyRef: {name: ray, key: mode}}\n", 2),
+    ("flow.yaml", "spec:\n  authOptions: {mode: disabled}\n", 2),
+    ("block.yaml", "spec:\n  authOptions:\n    mode: disabled\n", 3),
+    ("empty.yaml", "spec:\n  authOptions: {}\n", 2),
+    ("template.yaml", "env:\n- {name: RAY_AUTH_MODE, value: ${MODE:-disabled}}\nres: {cpu: ${CPU}}\n", 2),
+    ("second-doc.yaml", "kind: A\n---\nkind: B\nspec: {authOptions: {mode: Disabled}}\n", 4),
+    ("compose.yaml", "services:\n  head:\n    environment:\n      RAY_AUTH_MODE: disabled\n", 4),
+    ("compose-list.yaml", "environment:\n  - RAY_AUTH_MODE=disabled\n", 2),
+    ("yaml-bool.yaml", "env_vars:\n  RAY_AUTH_MODE: off\n", 2),
+    ("empty-value.yaml", 'runtime_env: {env_vars: {RAY_AUTH_MODE: ""}}\n', 1),
+    ("launcher.yaml", "head_start_ray_commands:\n  - export RAY_AUTH_MODE=disabled && ray start --head\n", 2),
+    (
+        "configmap.yaml",
+        "kind: ConfigMap\ndata:\n  rayjob.yaml: |\n    spec:\n      authOptions:\n        mode: disabled\n",
+        6,
+    ),
+    ("env.json", '{"env": [{"name": "RAY_AUTH_MODE", "value": "disabled"}]}', 1),
+    # shell, make, Docker, TOML, Markdown
+    ("start.sh", "#!/bin/sh\nexport RAY_AUTH_MODE=disabled\n", 2),
+    ("prefix.sh", "RAY_AUTH_MODE=disabled ray start --head\n", 1),
+    ("default.sh", 'export RAY_AUTH_MODE="${MODE:-disabled}"\n', 1),
+    ("assign-default.sh", ': "${RAY_AUTH_MODE:=disabled}"\nray start --head\n', 1),
+    ("variable.sh", "export RAY_AUTH_MODE=$MODE\n", 1),
+    ("unset.sh", "unset RAY_AUTH_MODE\nray start --head\n", 1),
+    ("env-u.sh", "env -u RAY_AUTH_MODE ray start --head\n", 1),
+    ("docker.sh", "docker run -e RAY_AUTH_MODE=disabled rayproject/ray\n", 1),
+    ("heredoc.sh", "kubectl apply -f - <<EOF\nenv:\n  - name: RAY_AUTH_MODE\n    value: disabled\nEOF\n", 4),
+    ("Makefile", "export RAY_AUTH_MODE ?= disabled\n", 1),
+    ("rules.mk", "RAY_AUTH_MODE := none\n", 1),
+    ("Dockerfile", "FROM rayproject/ray\nENV RAY_AUTH_MODE=disabled\n", 2),
+    ("Dockerfile.old", "FROM rayproject/ray\nENV RAY_AUTH_MODE disabled\n", 2),
+    ("pyproject.toml", '[tool.pytest.ini_options]\nenv = ["RAY_AUTH_MODE=disabled"]\n', 2),
+    ("how.md", "# Local\n\nSet `RAY_AUTH_MODE=disabled` to skip the token.\n", 3),
+    ("doc.md", "Text.\n\n```yaml\nspec:\n  authOptions:\n    mode: disabled\n```\n", 6),
+    # Python
+    ("item.py", 'import os\nos.environ["RAY_AUTH_MODE"] = "disabled"\n', 2),
+    ("setdefault.py", 'import os\nos.environ.setdefault("RAY_AUTH_MODE", "disabled")\n', 2),
+    ("putenv.py", 'import os\nos.putenv("RAY_AUTH_MODE", "off")\n', 2),
+    ("setenv.py", 'def test(monkeypatch):\n    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")\n', 2),
+    ("update.py", 'import os\nos.environ.update(RAY_AUTH_MODE="disabled")\n', 2),
+    ("env-dict.py", 'import os\nenv = {**os.environ, "RAY_AUTH_MODE": "disabled"}\n', 2),
+    ("runtime-env.py", 'import ray\nray.init(runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})\n', 2),
+    ("names.py", 'import os\nKEY = "RAY_AUTH_MODE"\nMODE = "disabled"\nos.environ[KEY] = MODE\n', 4),
+    ("unreadable.py", 'import os\nos.environ["RAY_AUTH_MODE"] = mode()\n', 2),
+    ("del.py", 'import os\ndel os.environ["RAY_AUTH_MODE"]\n', 2),
+    ("pop.py", 'import os\nos.environ.pop("RAY_AUTH_MODE", None)\n', 2),
+    (
+        "shell-string.py",
+        'import subprocess\nsubprocess.run("RAY_AUTH_MODE=disabled ray start --head", shell=True)\n',
+        2,
+    ),
+    ("argv.py", 'import subprocess\nsubprocess.run(["env", "RAY_AUTH_MODE=disabled", "ray", "start"])\n', 2),
+    ("fstring.py", 'import subprocess\nsubprocess.run(f"RAY_AUTH_MODE={mode} ray start", shell=True)\n', 2),
+    ("pod.py", 'container = {"env": [{"name": "RAY_AUTH_MODE", "value": "disabled"}]}\n', 1),
+    ("system-config.py", 'import ray\nray.init(_system_config={"AUTH_MODE": "disabled"})\n', 2),
+    ("system-config.sh", 'ray start --head --system-config=\'{"AUTH_MODE": "disabled"}\'\n', 1),
+    ("python-c.sh", 'python -c \'import os; os.environ["RAY_AUTH_MODE"] = "disabled"\'\n', 1),
+]
+# What keeps it on, or only reads it: none of these is a finding (a scan that flagged every
+# mention would pass the list above).
+ON = [
+    (
+        "keep.py",
+        'import os\nAUTH_MODE_ENV_VAR = "RAY_AUTH_MODE"\nos.environ[AUTH_MODE_ENV_VAR] = "token"\n'
+        'os.environ.setdefault("RAY_AUTH_MODE", "token")\n'
+        'mode = os.environ.get("RAY_AUTH_MODE", "unset")\nif "RAY_AUTH_MODE" in os.environ:\n    pass\n'
+        'env = dict(os.environ, RAY_AUTH_MODE="token")\n"""Ray sends it only under RAY_AUTH_MODE=token."""\n',
+    ),
+    ("keep.sh", "export RAY_AUTH_MODE=token RAY_AUTH_TOKEN && ray start --head\nRAY_AUTH_MODE=TOKEN ray start\n"),
+    (
+        "keep.yaml",
+        'spec:\n  authOptions: {mode: token}\n  env:\n  - name: RAY_AUTH_MODE\n    value: "token"\n'
+        "  cmd: export RAY_AUTH_MODE=token\n  res: {cpu: ${CPU}}\n",
+    ),
+    (
+        "keep.md",
+        "Started with `RAY_AUTH_MODE=token`; `RAY_AUTH_MODE` and `RAY_AUTH_TOKEN` on every pod:\n"
+        "`env: [{name: RAY_AUTH_MODE, value: token}]`.\n",
+    ),
+]
+
+
+def repo_files() -> list[Path]:
+    files = [p for folder in SCANNED for p in sorted((REPO / folder).rglob("*")) if p.is_file()]
+    files += [REPO / name for name in SCANNED_FILES]
+    return [p for p in files if p.suffix not in BINARY and "__pycache__" not in p.parts]
 
 
 def test_nothing_in_the_product_turns_ray_authentication_off():
-    sources = [
-        p for folder in ("pipelines", "mdc", "cluster", ".ci") for p in (REPO / folder).rglob("*") if p.is_file()
-    ]
-    sources += [REPO / "Makefile"]
-    found = [str(p.relative_to(REPO)) for p in sources if TURNS_AUTH_OFF.search(p.read_text(errors="ignore"))]
+    """Every YAML, shell, Python and Markdown file of the repository (cluster/, docs, Makefile,
+    .ci, the code, the tests) sets RAY_AUTH_MODE and KubeRay's authOptions only to `token`."""
+    files = repo_files()
+    assert {
+        "cluster/kuberay/raycluster.yaml",
+        "cluster/aws/cluster.yaml",
+        ".ci/run",
+        "Makefile",
+        "docs/clusters.md",
+    } <= {str(p.relative_to(REPO)) for p in files}
+    found = auth_scan.scan([p.relative_to(REPO) for p in files if str(p.relative_to(REPO)) not in ALLOWED])
     assert found == []
-    assert TURNS_AUTH_OFF.search('os.environ.setdefault("RAY_AUTH_MODE", "disabled")')  # the scan sees it
+
+
+@pytest.mark.parametrize("name, text, line", OFF, ids=[case[0] for case in OFF])
+def test_the_scan_finds_each_way_of_turning_token_auth_off(tmp_path, name, text, line):
+    (tmp_path / name).write_text(text)
+    found = auth_scan.scan([tmp_path / name])
+    assert found and all(f.startswith(f"{tmp_path / name}:{line}: ") for f in found), found
+
+
+@pytest.mark.parametrize("name, text", ON, ids=[case[0] for case in ON])
+def test_the_scan_leaves_token_auth_kept_on_alone(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    assert auth_scan.scan([tmp_path / name]) == []
+
+
+def test_the_allowed_files_hold_findings_and_a_file_that_does_not_parse_is_one(tmp_path):
+    """ALLOWED is not stale, and a file the scan cannot read is a finding, not a pass."""
+    for path in ALLOWED:
+        assert auth_scan.scan([REPO / path]), path
+    (tmp_path / "broken.yaml").write_text("spec: [unclosed\n")
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    found = auth_scan.scan([tmp_path / "broken.yaml", tmp_path / "broken.py"])
+    assert [f.split(": ", 1)[1][:24] for f in found] == ["not parseable as YAML, s", "not parseable as Python,"]
 
 
 def token_env(tmp_path: Path, **extra: str) -> dict:
