@@ -75,7 +75,11 @@ class SearchSpace(_Strict):
     num_samples: int = Field(1, ge=1)
     metric: str = "val_loss"
     mode: Literal["min", "max"] = "min"
-    rank_by: str = "probe_accuracy"
+    rank_by: str | None = Field(
+        None,
+        description="the figure that ranks the trials, a key of the eval section; default: the first probe's accuracy",
+    )
+    rank_mode: Literal["max", "min"] = Field("max", description="max: higher is better (accuracies); min: losses")
     params: dict[str, Distribution]
     base: dict[str, Any] = {}
     scheduler: Scheduler = Scheduler()
