@@ -10,8 +10,9 @@ Cases, each a fresh TorchTrainer:
 - `free`: validation asks 0.5 CPU with nothing else running: does it run while training?
 - `contended`: a second job takes the free 0.5 CPU after training starts (another run of a study,
   or its ingest): when do the validations run?
-- `reserved`: as `contended`, with a 0.5-CPU placement group made before the worker group and the
-  validation task scheduled into it through `ray_remote_kwargs` (what the queue's bundle does).
+- `reserved`: a 0.5-CPU placement group made before the worker group and the validation task
+  scheduled into it through `ray_remote_kwargs` (what the queue's bundle does): the cluster is full
+  (ingest, workers, the bundle), so nothing else can take the validation's CPU.
 - `pruned`: as `free`, with the checkpoint the pointer names deleted right after the report (what
   `checkpoint.keep` does to an older checkpoint while evaluations queue up).
 Also timed: a report that carries a pointer checkpoint against one that carries metrics only.
@@ -45,7 +46,7 @@ def train_loop(config: dict) -> None:
     reports (rank 0 with a pointer to it and validation=True); every `log_every` steps between
     them every rank reports metrics only (mdc reports at train.log_every)."""
     rank = ray.train.get_context().get_world_rank()
-    timings = {"with_checkpoint": [], "metrics_only": []}
+    timings = {"with_checkpoint": [], "metrics_only": [], "reported_at": []}
     for step in range(1, config["steps"] + 1):
         time.sleep(STEP_S)
         if step % config["every"] and step % config["log_every"]:
@@ -71,6 +72,7 @@ def train_loop(config: dict) -> None:
                 validation=checkpoint is not None,
             )
             timings["with_checkpoint"].append(time.perf_counter() - tic)
+            timings["reported_at"].append(time.time())
         if rank == 0 and config["prune"]:
             shutil.rmtree(real)
     if rank == 0:
@@ -126,8 +128,8 @@ def run_case(case: str, root: Path, steps: int, every: int, probe_s: float) -> d
     )
     other = None
     tic = time.time()
-    if case in ("contended", "reserved"):
-        other = Holder.remote()  # queued until there is room; placed while the workers start
+    if case == "contended":
+        other = Holder.remote()  # takes the free half CPU before the validations ask for it
     result = trainer.fit()
     fit_end = time.time()
     timings = json.loads((root / "real" / "timings.json").read_text())
@@ -143,6 +145,9 @@ def run_case(case: str, root: Path, steps: int, every: int, probe_s: float) -> d
         "validations_run": len(runs),
         "validations_expected": steps // every,
         "started_s_after_fit_began": [round(r["start"] - tic, 1) for r in runs],
+        "started_s_after_its_report": [
+            round(r["start"] - at, 1) for r, at in zip(sorted(runs, key=lambda r: r["step"]), timings["reported_at"])
+        ],
         "fit_s": round(fit_end - tic, 1),
         "training_loop_ended_s": round(training_end - tic, 1),
         "validations_started_during_training": sum(r["start"] < training_end for r in runs),

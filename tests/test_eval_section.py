@@ -233,3 +233,19 @@ def test_one_list_of_schedule_names_in_code_help_and_docs():
     assert " | ".join(SCHEDULES) in help_text
     docs = (DOCS / "evaluation.md").read_text()
     assert f"--schedule {'|'.join(SCHEDULES)}" in docs
+
+
+@pytest.mark.parametrize("command", ["tune", "scaling", "compare"])
+def test_a_command_that_ranks_by_a_probe_on_unlabelled_data_fails_before_ray_naming_eval_probes(
+    command, img2dataset_dir, tmp_path, ray_forbidden
+):
+    args = {
+        "tune": ["tune", "--space", "tune_spaces/noise_schedule.yaml", f"data.train_uri={img2dataset_dir}"],
+        "scaling": ["scaling", "--sizes", "10,20", "--data", str(img2dataset_dir), "--name", "s"],
+        "compare": ["compare", "--objectives", "mdc,ar", "--data", str(img2dataset_dir)],
+    }[command]
+    store = [f"storage_uri={tmp_path}", f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}", "data.val_uri=null"]
+    result = CliRunner().invoke(app, [*args, *store])
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("error:") and "needs eval.probes" in line and str(img2dataset_dir) in line

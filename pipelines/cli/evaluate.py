@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 from typing import List, Optional
 
@@ -127,11 +128,13 @@ def run_name(kind: str, target: str, checkpoint: str) -> str:
 
 
 def checkpoint_step(source: str, endpoint_url: str | None) -> int:
-    """The step a checkpoint was saved at (its completion marker), else 0 (an export, a timm encoder)."""
+    """The step a checkpoint was saved at (its completion marker, else its folder's name,
+    checkpoint_00000400), else 0 (an export, a timm encoder)."""
     try:
         return ckpt.marked_step(source, endpoint_url)
     except (OSError, ValueError, KeyError, RuntimeError):
-        return 0
+        named = re.fullmatch(r"checkpoint_(\d+)", Path(source.rstrip("/")).name)
+        return int(named.group(1)) if named else 0
 
 
 def section(**fields) -> EvalConfig:
@@ -286,7 +289,7 @@ def zeroshot_command(
 ):
     """Zero-shot classification: the class whose templated caption the model scores highest."""
     with user_errors():
-        model, cfg, _ = load(checkpoint, endpoint_url, device, mlflow_uri)
+        model, cfg = load(checkpoint, endpoint_url, device, mlflow_uri)
         test = readers.read_split(dataset, root or readers.FASHION_MNIST_ROOT, "test", endpoint_url)
         name, score = compositionality.get_scorer(scorer, cfg.objective.name)
         templates = tuple(template) if template else zeroshot.templates_for(dataset)
@@ -512,7 +515,7 @@ def infill_command(
 ):
     """Caption infilling (DDCap): mask a span of a reference caption, fill it, score BLEU-4 / CIDEr-D."""
     with user_errors():
-        model, cfg, _ = load(checkpoint, endpoint_url, device, mlflow_uri)
+        model, cfg = load(checkpoint, endpoint_url, device, mlflow_uri)
         images = captioning.group_by_image(shards.read_shards(data, endpoint_url), limit)
         if not images:
             raise ValueError(f"no samples in {data}")
