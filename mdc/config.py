@@ -243,7 +243,7 @@ class CompositionalitySet(_Section):
 
     @model_validator(mode="after")
     def _known(self) -> CompositionalitySet:
-        from mdc.evaluation.suite import benchmark_subsets  # the evaluation stack: only where a benchmark is named
+        from mdc.evaluation.compositionality import benchmark_subsets  # the evaluation stack: only where one is named
 
         unknown = sorted(set(self.subsets or ()) - set(benchmark_subsets(self.benchmark)))
         if unknown:

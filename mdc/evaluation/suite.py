@@ -42,7 +42,6 @@ CAPTION_FIGURES = ("bleu4", "cider", "captions_per_s")
 RUN_FIGURES = ("loss", "val_loss", "images_per_s")
 SET_FIELDS = ("probes", "compositionality", "captions")  # the section's lists, in the order of KINDS
 SPLIT_FOLDERS = ("train", "val", "test", "validation")
-SHAPES_SUBSETS = ("vg_relation", "vg_attribution", "swap_obj", "swap_att")  # what `mdc data shapes` writes
 
 
 # ------------------------------------------------------------------------------------------ keys
@@ -99,13 +98,6 @@ def check_figure(key: str, ev: EvalConfig, field_name: str) -> None:
         raise ConfigError(
             f"{field_name}: {key!r} is not a figure the eval section measures; its figures: {list(figures)}"
         )
-
-
-def benchmark_subsets(benchmark: str) -> tuple[str, ...]:
-    """The subsets a compositionality benchmark can hold."""
-    if benchmark == "shapes":
-        return SHAPES_SUBSETS
-    return tuple(compositionality.ARO_FILES) if benchmark == "aro" else compositionality.SUGARCREPE_SUBSETS
 
 
 # ----------------------------------------------------------------------------- the section itself
@@ -472,10 +464,14 @@ def benchmark_items(spec, endpoint_url: str | None, seed: int) -> Iterator[dict[
     with ckpt.local_copy(storage.join(spec.root, COMPOSITIONALITY_DIR), endpoint_url) as folder:
         items = {}
         for benchmark in ("aro", "sugarcrepe"):
-            wanted = None if spec.subsets is None else [s for s in spec.subsets if s in benchmark_subsets(benchmark)]
+            wanted = (
+                None
+                if spec.subsets is None
+                else [s for s in spec.subsets if s in compositionality.benchmark_subsets(benchmark)]
+            )
             if wanted != []:
                 present = compositionality.read_benchmark(benchmark, folder, None, wanted, seed=seed)
-                items |= {s: v for s, v in present.items() if s in SHAPES_SUBSETS}
+                items |= {s: v for s, v in present.items() if s in compositionality.SHAPES_SUBSETS}
         yield items
 
 

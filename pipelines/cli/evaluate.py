@@ -54,7 +54,9 @@ RUN_ID = typer.Option(None, help="log into this MLflow run (e.g. the training ru
 STEP = typer.Option(None, help="the step the figures are logged at (default: the checkpoint's, else 0)")
 DEVICE = typer.Option("cpu", help="torch device for the model")
 SCORER = typer.Option("auto", help="auto | ar | heuristic | montecarlo | clip | cdlm (auto: by the model's objective)")
-SAMPLES = typer.Option(16, min=1, help="Monte Carlo draws of (t, mask) per caption")
+SAMPLES = typer.Option(  # the eval section's default: one number of draws wherever a score is estimated
+    EvalConfig.model_fields["samples"].default, min=1, help="Monte Carlo draws of (t, mask) per caption"
+)
 OUT = typer.Option(None, help="the JSON result (default: named by the run, in this folder)")
 
 
