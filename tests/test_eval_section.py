@@ -221,9 +221,16 @@ def test_eval_captions_writes_what_fits_the_model_names_its_files_by_the_run(
     assert list(written["lengths"]) == ["10", "15"] and written["skipped_lengths"] == []  # 20 > max_length 16
     assert (tmp_path / f"{name}.html").is_file() and "skipped" not in result.output
 
-    result = CliRunner().invoke(app, [*common, "--lengths", "4,8", "--steps", "6", "--limit", "2", "--mlflow-uri", ""])
-    assert result.exit_code == 0, result.output
-    assert "--steps 6 is more passes than N' = 4 has tokens" in " ".join(result.output.split())
+    written = {}
+    for steps in ("6", "4"):  # ancestral sampling draws at every pass: 6 passes would draw otherwise than 4
+        out = tmp_path / f"steps{steps}.json"
+        args = ["--lengths", "4", "--sampler", "ancestral", "--steps", steps, "--limit", "4", "--out", str(out)]
+        result = CliRunner().invoke(app, [*common, *args, "--mlflow-uri", ""])
+        assert result.exit_code == 0, result.output
+        written[steps] = [c["generated"] for c in json.loads(out.read_text())["captions"]]
+        said = "--steps 6 is more passes than N' = 4 has tokens" in " ".join(result.output.split())
+        assert said == (steps == "6")
+    assert written["6"] == written["4"]  # clamped: N' = 4 in 4 passes
     result = CliRunner().invoke(app, [*common, "--schedule", "slow", "--mlflow-uri", ""])
     assert result.exit_code == 2 and "schedule 'slow': expected fixed | linear | cosine" in result.output
 
