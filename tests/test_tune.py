@@ -14,8 +14,7 @@ from typer.testing import CliRunner
 from mdc.config import ConfigError, RunConfig, load_config
 from mdc.evaluation import suite
 from pipelines.cli import app
-from pipelines.commands.search_space import load_space
-from pipelines.commands.tune import ranking
+from pipelines.commands.search_space import load_space, ranking
 
 SPACE = """\
 name: test_schedule

@@ -17,7 +17,7 @@ from rich.table import Table
 from mdc.config import DEFAULT_CONFIG, derive, load_config
 from mdc.data import storage
 from mdc.registry import OBJECTIVES
-from pipelines.commands.search_space import load_space
+from pipelines.commands.search_space import load_space, ranking
 from pipelines.infra import ray_connection, ray_output, run_inputs
 from pipelines.infra.console import VERBOSE_OPTION, Settings, console, report_failures, user_errors
 
@@ -99,16 +99,13 @@ def tune(
     Settings.verbose = verbose
     with user_errors():
         base = run_inputs.absolute_paths(load_config(config, list(ctx.args)))
-        search_space = load_space(space, base)
         base = resolved(base)
+        search_space = ranking(load_space(space, base), base)
         run_inputs.check_inputs(base)
         from pipelines.commands.tune import (  # the Ray program: seconds to import, so after the checks
-            ranking,
             run_sweep,
             sweep_folder,
         )
-
-        search_space = ranking(search_space, base)
 
         with ray_connection.ray_session(sweep_folder(base, search_space) / "ray.log", address, verbose):
             summary = run_sweep(search_space, base, samples, max_concurrent)
@@ -167,7 +164,8 @@ def compare(
         if data:
             data = run_inputs.absolute_uri(data)
             storage.check_reachable(data, base.data.endpoint_url)
-            probe_cfg = resolved(derive(base, {"data.train_uri": data}))  # what judges the runs, checked now
+            train = suite().training_split(data, base.data.endpoint_url)
+            probe_cfg = resolved(derive(base, {"data.train_uri": train, "data.val_uri": None}))  # what judges the runs
             suite().require(probe_cfg, "probes", "mdc compare (its table's first column)")
         workdir = workdir.resolve()
         from pipelines.commands.compare import run_compare  # the Ray program: seconds to import, so after the checks

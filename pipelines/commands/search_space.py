@@ -181,3 +181,16 @@ def load_space(path: str | Path, base_cfg: RunConfig) -> SearchSpace:
         except ConfigError as err:
             raise ConfigError(f"{path}: the point {point} is not a valid run config:\n{err}") from None
     return space
+
+
+def ranking(space: SearchSpace, base_cfg: RunConfig) -> SearchSpace:
+    """The space with the figure that ranks its trials: `rank_by` as given (checked against the
+    base config's eval section, made concrete), else the first probe's accuracy; a sweep that
+    would rank by a probe and has none fails here, before any trial, naming eval.probes."""
+    from mdc.evaluation import suite  # the evaluation stack: seconds to import, only once a space is loaded
+
+    if space.rank_by is None:
+        suite.require(base_cfg, "probes", "mdc tune (trials are ranked by the first probe's accuracy)")
+        return space.model_copy(update={"rank_by": suite.probe_key(base_cfg.eval.probes[0].key)})
+    suite.check_figure(space.rank_by, base_cfg.eval, "rank_by")
+    return space

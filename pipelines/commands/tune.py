@@ -28,7 +28,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from mdc.config import RunConfig, apply_overrides, build_config
 from mdc.evaluation import suite
-from pipelines.commands.search_space import SearchSpace, _copy, to_override_list
+from pipelines.commands.search_space import SearchSpace, _copy, ranking, to_override_list
 from pipelines.infra import progress, tracking
 from pipelines.infra.console import console, first_line_of
 from pipelines.infra.run_inputs import absolute_paths
@@ -67,17 +67,6 @@ def sweep_folder(base_cfg: RunConfig, space: SearchSpace) -> Path:
 def trial_run_name(sweep: str, trial_id: str) -> str:
     """A trial's run name: its Ray Train run and its MLflow child run."""
     return f"{sweep}-{trial_id}"
-
-
-def ranking(space: SearchSpace, base_cfg: RunConfig) -> SearchSpace:
-    """The space with the figure that ranks its trials: `rank_by` as given (checked against the
-    base config's eval section, made concrete), else the first probe's accuracy; a sweep that
-    would rank by a probe and has none fails here, before any trial, naming eval.probes."""
-    if space.rank_by is None:
-        suite.require(base_cfg, "probes", "mdc tune (trials are ranked by the first probe's accuracy)")
-        return space.model_copy(update={"rank_by": suite.probe_key(base_cfg.eval.probes[0].key)})
-    suite.check_figure(space.rank_by, base_cfg.eval, "rank_by")
-    return space
 
 
 def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str, channel) -> None:
