@@ -136,6 +136,19 @@ def img2dataset_dir(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="session")
+def untrained_checkpoint(tmp_path_factory):
+    """An exported tiny checkpoint at random init, as training writes one: for tests of plumbing, not quality."""
+    from mdc.config import RunConfig, dump_config
+    from mdc.evaluation import probe
+    from mdc.training.checkpoint import export_weights
+
+    cfg = RunConfig.model_validate({"data": {"max_length": 16}})
+    directory = tmp_path_factory.mktemp("checkpoint") / "checkpoint_00000010"
+    export_weights(directory, probe.random_init(cfg, seed=0).state_dict(), dump_config(cfg))
+    return directory
+
+
 @pytest.fixture(scope="module")
 def gloo_process_group(tmp_path_factory):
     """A one-process gloo group for a test module (DCP, FSDP2 and their collectives need one)."""

@@ -201,19 +201,11 @@ def test_a_failed_run_of_an_experiment_ends_its_parent_failed_and_is_tried_again
     assert list(results) == ["good", "bad"]
 
 
-@pytest.fixture(scope="module")
-def captions_checkpoint(tmp_path_factory):
-    cfg = RunConfig.model_validate({"data": {"max_length": 16}})
-    directory = tmp_path_factory.mktemp("captions") / "checkpoint_00000010"
-    export_weights(directory, probe.random_init(cfg, seed=0).state_dict(), dump_config(cfg))
-    return directory
-
-
 def test_eval_captions_writes_what_fits_the_model_names_its_files_by_the_run(
-    captions_checkpoint, shapes_dir, tmp_path, monkeypatch
+    untrained_checkpoint, shapes_dir, tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
-    common = ["eval", "captions", "--checkpoint", str(captions_checkpoint), "--data", str(shapes_dir / "val")]
+    common = ["eval", "captions", "--checkpoint", str(untrained_checkpoint), "--data", str(shapes_dir / "val")]
     result = CliRunner().invoke(app, [*common, "--limit", "2", "--mlflow-uri", ""])
     assert result.exit_code == 0, result.output
     name = f"captions-{shapes_dir.name}-checkpoint_00000010"  # the run: the caption set (its folder), the checkpoint

@@ -11,9 +11,8 @@ import torch
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
-from mdc.config import RunConfig, dump_config
 from mdc.evaluation import probe, readers
-from mdc.training.checkpoint import CONFIG, WEIGHTS, export_weights, load_pretrained
+from mdc.training.checkpoint import CONFIG, WEIGHTS, load_pretrained
 from pipelines.cli import app
 from pipelines.infra import tracking
 from pipelines.infra.tracking import EVAL_EXPERIMENT
@@ -21,12 +20,8 @@ from pipelines.run.feature_extraction import Extractor, checkpoint_model
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """An exported (untrained) tiny checkpoint: these tests check plumbing, not quality."""
-    cfg = RunConfig.model_validate({"data": {"max_length": 16}})
-    directory = tmp_path_factory.mktemp("checkpoint") / "checkpoint_00000010"
-    export_weights(directory, probe.random_init(cfg, seed=0).state_dict(), dump_config(cfg))
-    return directory
+def checkpoint(untrained_checkpoint):
+    return untrained_checkpoint
 
 
 @pytest.mark.ray
