@@ -111,3 +111,14 @@ def test_a_bad_plan_stops_the_command_before_any_run(tmp_path, ray_forbidden):
     assert result.exit_code == 2
     assert "claims.0.arm_b: 'bert' is not one of the arms" in " ".join(result.output.split())
     assert not (tmp_path / "out").exists()
+
+
+def test_a_set_an_arm_names_that_cannot_be_reached_stops_the_command_before_any_run(tmp_path, ray_forbidden):
+    plan = yaml.safe_load(SMOKE.read_text())
+    plan["budget"]["eval.probes"] = [{"dataset": "cifar10", "root": str(tmp_path / "no-cifar")}]
+    plan["claims"] = [{"name": "x", "metric": "eval/probe/cifar10/accuracy", "arm_a": "mdc", "arm_b": "cmlm"}]
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    result = CliRunner().invoke(app, ["study", "--plan", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert f"eval.probes.0.root: {tmp_path / 'no-cifar'} does not exist" in " ".join(result.output.split())

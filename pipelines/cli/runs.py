@@ -161,6 +161,7 @@ def compare(
         base = load_config(config, overrides)
         for objective in names:  # every objective's config must be valid before anything trains
             derive(base, {"objective.name": objective})
+        suite().check_section(base.eval, base.data.endpoint_url)  # the sets it names, before Ray starts
         if data:
             data = run_inputs.absolute_uri(data)
             storage.check_reachable(data, base.data.endpoint_url)
@@ -254,8 +255,9 @@ def study(
     with user_errors(studies.StudyError):
         parsed = studies.load_plan(plan)
         directory = (out or Path("runs") / f"study-{parsed.name}").resolve()
-        studies.run_configs(parsed, plan, directory)
+        configs = studies.run_configs(parsed, plan, directory)
         studies.check_data(parsed)
+        studies.check_sets(configs, directory)
         with ray_connection.ray_session(directory / "ray.log", address, verbose):
             claims, failures = studies.run_study(parsed, plan, directory, max_concurrent)
     report_failures("run", len(parsed.arms) * len(parsed.seeds), [f.as_tuple() for f in failures])

@@ -257,6 +257,27 @@ def check_data(plan: Plan) -> None:
             )
 
 
+def check_sets(configs: dict[tuple[str, int], RunConfig], out: Path) -> None:
+    """Fail before anything runs when a set the arms' eval sections name cannot be reached; the
+    datasets the study generates (under OUT/data) are written when it starts."""
+    generated = str(out / "data")
+    for (arm, seed), cfg in configs.items():
+        ev = cfg.eval.model_copy(
+            update={
+                field: [
+                    s
+                    for s in getattr(cfg.eval, field)
+                    if not str(getattr(s, "root", None) or s.uri).startswith(generated)
+                ]
+                for field in ("probes", "compositionality", "captions")
+            }
+        )
+        try:
+            suite.check_section(ev, cfg.data.endpoint_url)
+        except ConfigError as err:
+            raise StudyError(f"arms.{arm} (seed {seed}): {err}") from None
+
+
 def result_path(out: Path, cfg: RunConfig) -> Path:
     return out / "runs" / cfg.name / RESULT
 
