@@ -20,8 +20,10 @@ from mlflow.tracking import MlflowClient
 
 from mdc.config import load_config
 from mdc.data.shapes import write_shapes_dataset
+from mdc.evaluation import suite
 from pipelines.run.driver import run_training
-from pipelines.run.online_eval import PROBE_KEY
+
+PROBE = suite.probe_key("shapes")
 
 
 def run(root: Path, name: str, steps: int, every: int | None) -> dict:
@@ -36,14 +38,14 @@ def run(root: Path, name: str, steps: int, every: int | None) -> dict:
         f"checkpoint.every={steps}",
     ]
     if every:
-        overrides += [f"eval.probe_every={every}", f"eval.data_uri={root / 'shapes'}"]
+        overrides += [f"eval.probe_every={every}", f"eval.probes=[{{dataset: shapes, root: {root / 'shapes'}}}]"]
     cfg = load_config(None, overrides)
     tic = time.perf_counter()
     summary = run_training(cfg)
     wall = time.perf_counter() - tic
     client = MlflowClient(cfg.mlflow_uri)
     speed = [m.value for m in client.get_metric_history(summary.mlflow_run_id, "images_per_s") if m.step > 10]
-    probed = sorted((m.step, round(m.value, 4)) for m in client.get_metric_history(summary.mlflow_run_id, PROBE_KEY))
+    probed = sorted((m.step, round(m.value, 4)) for m in client.get_metric_history(summary.mlflow_run_id, PROBE))
     return {"median_images_per_s": statistics.median(speed), "wall_s": wall, "probe": probed}
 
 

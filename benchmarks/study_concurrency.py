@@ -43,10 +43,12 @@ def one_worker_runs(path: Path, name: str, steps: int, images: int, log_every: i
             "train.log_every": log_every,
             "checkpoint.every": steps,
             "optim.warmup_steps": 1,
+            "eval.probes": [],  # judged on the training loss alone
+            "eval.compositionality": [],
+            "eval.captions": [],
         },
         "arms": {"mdc": {"objective.name": "mdc"}, "cmlm": {"objective.name": "cmlm"}},
-        "evaluations": {"probe": False, "compositionality": False, "caption_lengths": []},
-        "claims": [{"name": "losses differ", "metric": "final_loss", "arm_a": "mdc", "arm_b": "cmlm"}],
+        "claims": [{"name": "losses differ", "metric": "loss", "arm_a": "mdc", "arm_b": "cmlm"}],
     }
     path.write_text(yaml.safe_dump(plan))
     return path

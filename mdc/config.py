@@ -190,35 +190,154 @@ class ComputeConfig(_Section):
     activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward")
 
 
-class EvalConfig(_Section):
-    """Evaluation during training: the linear probe and the Monte Carlo compositionality scores of
-    the model at every N steps (each such step also writes a checkpoint), each in its own Ray task
-    beside the training workers, logged to MLflow against step (`online/probe_accuracy`,
-    `online/compositionality/BENCHMARK/SUBSET`)."""
+NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"  # a name inside a metric key: no "/"
 
-    probe_every: int | None = Field(None, ge=1, description="linear probe every N steps")
-    compositionality_every: int | None = Field(None, ge=1, description="compositionality scores every N steps")
-    data_uri: str | None = Field(
-        None, description="held-out shapes-like data: train/ and val/ with labels, compositionality/ pairs"
+
+class ProbeSet(_Section):
+    """A labelled dataset for the linear probe: fit on its train split, scored on its test split."""
+
+    dataset: str = Field(
+        description="its layout (mdc/evaluation/readers.py): cifar10, cifar100, csv, fashion-mnist, folder, "
+        "food101, imagenet, pets, shapes, tuxpaint"
     )
-    samples: int = Field(8, ge=1, description="Monte Carlo draws per caption (compositionality)")
+    root: str | None = Field(
+        None,
+        description="its folder (shapes, tuxpaint: also s3://); unset: the dataset `mdc data` wrote that holds "
+        "data.train_uri (fashion-mnist: Debian's)",
+    )
+    name: str | None = Field(
+        None, pattern=NAME_PATTERN, description="its name in the keys eval/probe/NAME/...; default: dataset"
+    )
+
+    @model_validator(mode="after")
+    def _known(self) -> ProbeSet:
+        from mdc.evaluation.readers import dataset_kinds  # torchvision: only where a probe is named
+
+        if self.dataset not in dataset_kinds():
+            raise ValueError(f"dataset {self.dataset!r} is not one of {', '.join(dataset_kinds())}")
+        return self
+
+    @property
+    def key(self) -> str:
+        return self.name or self.dataset
+
+
+class CompositionalitySet(_Section):
+    """A compositionality benchmark in its published JSON layout (mdc/evaluation/compositionality.py)."""
+
+    benchmark: Literal["aro", "sugarcrepe", "shapes"] = Field(
+        description="aro | sugarcrepe, or shapes: the ARO/SugarCrepe-format pairs `mdc data shapes` writes"
+    )
+    root: str | None = Field(
+        None,
+        description="aro, sugarcrepe: the folder of the JSON files; shapes: the dataset (also s3://), unset: the "
+        "dataset `mdc data` wrote that holds data.train_uri",
+    )
+    image_dir: str | None = Field(None, description="the images (default ROOT/images)")
+    subsets: list[str] | None = Field(None, description="default: every subset whose file is present")
+    name: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description="its name in the keys eval/compositionality/NAME/...; default: benchmark",
+    )
+
+    @model_validator(mode="after")
+    def _known(self) -> CompositionalitySet:
+        from mdc.evaluation.compositionality import benchmark_subsets  # the evaluation stack: only where one is named
+
+        unknown = sorted(set(self.subsets or ()) - set(benchmark_subsets(self.benchmark)))
+        if unknown:
+            raise ValueError(f"subsets {unknown} are not {self.benchmark} subsets: {benchmark_subsets(self.benchmark)}")
+        if self.root is None and self.benchmark != "shapes":
+            raise ValueError(f"root is required for {self.benchmark} (the folder holding its JSON files)")
+        return self
+
+    @property
+    def key(self) -> str:
+        return self.name or self.benchmark
+
+
+class CaptionSet(_Section):
+    """Held-out captioned shards the model writes captions for, scored by BLEU-4 and CIDEr-D."""
+
+    uri: str | None = Field(
+        None, description="a folder of .tar or .parquet shards (local or s3://); unset: data.val_uri"
+    )
+    name: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description="its name in the keys eval/captions/NAME/...; default: the folder's name (its dataset's for "
+        "train/, val/, test/)",
+    )
+    lengths: list[int | Literal["predicted", "reference"]] = Field(
+        [10],
+        min_length=1,
+        description="N' of the captions (at most data.max_length); also predicted (the length head's) and "
+        "reference (each image's median reference length: an upper bound)",
+    )
+    limit: int | None = Field(100, ge=1, description="captions of the first N distinct images")
+
+
+class EvalConfig(_Section):
+    """What judges the encoder: probes, compositionality benchmarks, captions (docs/evaluation.md).
+
+    Each figure has one key (eval/probe/NAME/accuracy, eval/compositionality/NAME/SUBSET,
+    eval/captions/NAME/N10/cider) at the end of tune, compare, scaling, study and the demo, in `mdc
+    eval all`, and every N steps while training (a checkpoint each, evaluated in a Ray task of its own
+    beside the training workers, logged against the step). Unset lists come from the training data
+    when `mdc data` wrote it (its labels, its pairs, its val split)."""
+
+    probes: list[ProbeSet] | None = Field(
+        None, description="linear probes, e.g. [{dataset: cifar10, root: /data/cifar-10-batches-py}]"
+    )
+    compositionality: list[CompositionalitySet] | None = Field(
+        None, description="benchmarks, e.g. [{benchmark: aro, root: /data/aro}]"
+    )
+    captions: list[CaptionSet] | None = Field(None, description="caption sets, e.g. [{uri: s3://b/coco/val}]")
+    samples: int = Field(8, ge=1, description="Monte Carlo draws per caption score (compositionality)")
+    seed: int | None = Field(None, description="the draws of scores and samplers; unset: train.seed")
     limit: int | None = Field(200, ge=1, description="compositionality items per subset")
+    normalize: Literal["none", "token"] = Field(
+        "none", description="compositionality: summed or per-token log-likelihood"
+    )
+    random_init: bool = Field(
+        True, description="also probe the architecture at random init: eval/probe/NAME/random_init_accuracy and /gain"
+    )
+    probe_every: int | None = Field(None, ge=1, description="during training: the probes every N steps")
+    compositionality_every: int | None = Field(
+        None, ge=1, description="during training: compositionality every N steps"
+    )
+    captions_every: int | None = Field(None, ge=1, description="during training: captions every N steps")
     cpus: float = Field(
         0.5,
         ge=0.0,
-        description="CPUs set aside for the run's evaluations (a bundle made before its workers are placed)",
+        description="CPUs set aside for the run's evaluations during training (a bundle made before its workers are placed)",
     )
     gpus: float = Field(0.0, ge=0.0, description="GPUs set aside the same way; the evaluations then run on that GPU")
     timeout_s: float = Field(1800.0, gt=0.0, description="how long the driver waits for the last evaluations")
 
+    @model_validator(mode="after")
+    def _distinct_names(self) -> EvalConfig:
+        for field in ("probes", "compositionality", "captions"):
+            names = [item.key for item in getattr(self, field) or () if getattr(item, "key", None)]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"eval.{field}: two entries named {twice[0]!r}; give each its own `name`")
+        return self
+
     def evaluations_at(self, step: int) -> tuple[str, ...]:
-        """The evaluations of checkpoint `step`: "probe", "compositionality", both or none."""
-        every = {"probe": self.probe_every, "compositionality": self.compositionality_every}
+        """The evaluations of checkpoint `step` during training: "probe", "compositionality", "captions"."""
+        every = {
+            "probe": self.probe_every,
+            "compositionality": self.compositionality_every,
+            "captions": self.captions_every,
+        }
         return tuple(name for name, n in every.items() if n and step % n == 0)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.probe_every or self.compositionality_every)
+        """Whether the run evaluates while it trains."""
+        return bool(self.probe_every or self.compositionality_every or self.captions_every)
 
 
 class RunConfig(_Section):
@@ -245,12 +364,6 @@ class RunConfig(_Section):
                 f"train.global_batch_size {self.global_batch} is not a multiple of train.batch_size "
                 f"{self.train.batch_size}: a step is a whole number of micro-batches"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _online_evaluation(self) -> RunConfig:
-        if self.eval.enabled and not self.eval.data_uri:
-            raise ValueError("eval.probe_every / eval.compositionality_every need eval.data_uri (held-out data)")
         return self
 
     @model_validator(mode="after")
@@ -311,11 +424,22 @@ MOVED = {
 }
 
 
+# Fields that are gone, with what says the same now.
+REMOVED = {
+    "eval.data_uri": "name the held-out data in the eval section: eval.probes: [{dataset: shapes, root: URI}] "
+    "and eval.compositionality: [{benchmark: shapes, root: URI}] (docs/evaluation.md)",
+}
+
+
 def _refuse_moved(raw: dict, source: str) -> None:
     for old, new in MOVED.items():
         section, field = old.split(".")
         if isinstance(raw.get(section), dict) and field in raw[section]:
             raise ConfigError(f"invalid config {source}: {old} is now {new}")
+    for old, instead in REMOVED.items():
+        section, field = old.split(".")
+        if isinstance(raw.get(section), dict) and field in raw[section]:
+            raise ConfigError(f"invalid config {source}: {old} is gone; {instead}")
 
 
 def _parse_value(text: str):
@@ -426,6 +550,11 @@ def load_exported_config(path: str | Path) -> RunConfig:
         (section, field), (to, key) = old.split("."), new.split(".")
         if isinstance(raw.get(section), dict) and field in raw[section]:
             raw.setdefault(to, {})[key] = raw[section].pop(field)
+    old_eval = raw.get("eval") if isinstance(raw.get("eval"), dict) else {}
+    data_uri = old_eval.pop("data_uri", None)
+    if data_uri:  # held-out shapes-like data, before the eval section named its sets
+        old_eval.setdefault("probes", [{"dataset": "shapes", "root": data_uri}])
+        old_eval.setdefault("compositionality", [{"benchmark": "shapes", "root": data_uri}])
     objective = raw.get("objective")
     if isinstance(objective, dict) and objective.get("name") in OBJECTIVES:  # the flat union: every field
         fields = OBJECTIVES[objective["name"]].config.model_fields

@@ -19,6 +19,9 @@ import torch
 from mdc import ddcap
 from mdc.models.cdlm import noised
 
+SAMPLERS = ("confidence", "ancestral")  # sample_masked's strategies
+SCHEDULES = ("fixed", "linear", "cosine")  # the confidence strategy's commits per pass (`_commit_count`)
+
 
 @dataclass(frozen=True)
 class Decoding:
@@ -30,6 +33,14 @@ class Decoding:
     schedule: str = "fixed"
     threshold: float | None = None
     guidance_scale: float = 1.0
+
+    def __post_init__(self):
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler {self.sampler!r}: expected {' | '.join(SAMPLERS)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r}: expected {' | '.join(SCHEDULES)}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
 
     def label(self) -> str:
         """A short name for tables and curves: `confidence`, `cosine×3`, `threshold 0.9`, ..."""
@@ -63,7 +74,7 @@ def _commit_count(left: torch.Tensor, total: torch.Tensor, step: int, steps: int
         return torch.ceil(left / (steps - step)).long()[:, None]
     if schedule == "fixed":  # ⌊N'/steps⌋ a pass (at least `per_step`), the last pass the rest
         return torch.div(total, steps, rounding_mode="floor").clamp(min=per_step)[:, None]
-    raise ValueError(f"unknown schedule {schedule!r} (fixed | linear | cosine)")
+    raise ValueError(f"unknown schedule {schedule!r} ({' | '.join(SCHEDULES)})")
 
 
 def initial_tokens(model, batch_size: int, length: int, device) -> torch.Tensor:
@@ -150,7 +161,7 @@ def sample_masked(
             else:
                 commit = masked & (rank < _commit_count(masked.sum(1), total, step, steps, schedule, tokens_per_step))
         else:
-            raise ValueError(f"unknown sampler strategy {strategy!r} (ancestral | confidence)")
+            raise ValueError(f"unknown sampler strategy {strategy!r} ({' | '.join(SAMPLERS)})")
         tokens = torch.where(commit, proposal, tokens)
         masked = masked & ~commit
     return tokens

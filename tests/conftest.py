@@ -118,6 +118,37 @@ def shapes_dir(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="session")
+def cifar10_dir(tmp_path_factory):
+    """CIFAR-10's python batches (torchvision's layout): 50 training and 20 test images."""
+    from helpers import write_cifar10
+
+    return write_cifar10(tmp_path_factory.mktemp("cifar10") / "cifar-10-batches-py")
+
+
+@pytest.fixture(scope="session")
+def img2dataset_dir(tmp_path_factory):
+    """An img2dataset webdataset folder (no labels, no splits): 64 captioned 32-px shapes in 2 shards."""
+    from mdc.data.img2dataset import generated_rows, write_img2dataset_folder
+
+    root = tmp_path_factory.mktemp("img2dataset")
+    write_img2dataset_folder(generated_rows(64, image_size=32, failed_every=0), str(root), "webdataset", 32)
+    return root
+
+
+@pytest.fixture(scope="session")
+def untrained_checkpoint(tmp_path_factory):
+    """An exported tiny checkpoint at random init, as training writes one: for tests of plumbing, not quality."""
+    from mdc.config import RunConfig, dump_config
+    from mdc.evaluation import probe
+    from mdc.training.checkpoint import export_weights
+
+    cfg = RunConfig.model_validate({"data": {"max_length": 16}})
+    directory = tmp_path_factory.mktemp("checkpoint") / "checkpoint_00000010"
+    export_weights(directory, probe.random_init(cfg, seed=0).state_dict(), dump_config(cfg))
+    return directory
+
+
 @pytest.fixture(scope="module")
 def gloo_process_group(tmp_path_factory):
     """A one-process gloo group for a test module (DCP, FSDP2 and their collectives need one)."""

@@ -254,3 +254,53 @@ def epoch_order(cfg, epoch: int = 0) -> list[tuple[int, int]]:
     )
     ds.context.execution_options.preserve_order = True
     return [(int(s), int(r)) for b in ds.iter_batches(batch_format="numpy") for s, r in zip(b["shard"], b["row"])]
+
+
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def write_cifar10(root, per_batch: int = 10, test: int = 20, seed: int = 0):
+    """CIFAR-10's python batches as the official archive holds them and torchvision reads them
+    (data_batch_1..5, test_batch, batches.meta: pickled dicts of uint8 rows of 3,072 and labels),
+    each image its class's colour with noise, so a probe can tell the classes apart."""
+    import pickle
+    from pathlib import Path
+
+    rng = np.random.default_rng(seed)
+    colours = rng.integers(0, 256, (10, 3))
+
+    def batch(n: int, name: str) -> dict:
+        labels = [i % 10 for i in range(n)]
+        planes = colours[labels][:, :, None] + rng.normal(0, 40, (n, 3, 1024))
+        return {"batch_label": name, "labels": labels, "data": planes.clip(0, 255).astype(np.uint8).reshape(n, 3072)}
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    files = {f"data_batch_{i}": batch(per_batch, f"training batch {i} of 5") for i in range(1, 6)}
+    files |= {"test_batch": batch(test, "testing batch 1 of 1"), "batches.meta": {"label_names": CIFAR10_CLASSES}}
+    for name, content in files.items():
+        (root / name).write_bytes(pickle.dumps(content, protocol=2))
+    return root
+
+
+def eval_overrides(cifar10, shapes) -> list[str]:
+    """The eval section the end-to-end tests of tune, compare and online evaluation share: a probe
+    on CIFAR-10's python batches (torchvision's layout), the ARO-format pairs `mdc data shapes`
+    wrote, captions of the shapes val split at N' = 8; small, 2 Monte Carlo draws."""
+    return [
+        f"eval.probes=[{{dataset: cifar10, root: {cifar10}}}]",
+        f"eval.compositionality=[{{benchmark: aro, root: {shapes / 'compositionality'}}}]",
+        f"eval.captions=[{{uri: {shapes / 'val'}, name: shapes, lengths: [8], limit: 4}}]",
+        "eval.limit=8",
+        "eval.samples=2",
+    ]
+
+
+# Every figure that section measures, by the key every command logs it under (mdc/evaluation/suite.py).
+EVAL_KEYS = {
+    "eval/probe/cifar10/accuracy",
+    "eval/probe/cifar10/random_init_accuracy",
+    "eval/probe/cifar10/gain",
+    *(f"eval/compositionality/aro/{s}{b}" for s in ("vg_relation", "vg_attribution", "macro") for b in ("", "/blind")),
+    *(f"eval/captions/shapes/N8/{f}" for f in ("bleu4", "cider", "captions_per_s")),
+}

@@ -40,7 +40,7 @@ def test_gpu_runs_fit_by_gpus():
 
 def test_a_run_counts_its_online_evaluation_bundle():
     """eval.cpus / eval.gpus are held by the run's evaluation bundle for as long as it trains."""
-    online = {"eval.probe_every": 10, "eval.data_uri": "held-out", "eval.cpus": 0.5}
+    online = {"eval.probe_every": 10, "eval.probes": [{"dataset": "shapes", "root": "held-out"}], "eval.cpus": 0.5}
     gpu = config(**{"workers.count": 8, "workers.use_gpu": True, "workers.cpus": 4, "data.ingest_cpus": 16})
     assert concurrency.run_resources(derive(gpu, {**online, "eval.gpus": 1})) == {"CPU": 48.5, "GPU": 9.0}
     assert concurrency.fitting_runs([derive(gpu, {**online, "eval.gpus": 1})] * 30, {"CPU": 8 * 96.0, "GPU": 64.0}) == 7

@@ -11,9 +11,8 @@ import torch
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
-from mdc.config import RunConfig, dump_config
 from mdc.evaluation import probe, readers
-from mdc.training.checkpoint import CONFIG, WEIGHTS, export_weights, load_pretrained
+from mdc.training.checkpoint import CONFIG, WEIGHTS, load_pretrained
 from pipelines.cli import app
 from pipelines.infra import tracking
 from pipelines.infra.tracking import EVAL_EXPERIMENT
@@ -21,12 +20,8 @@ from pipelines.run.feature_extraction import Extractor, checkpoint_model
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """An exported (untrained) tiny checkpoint: these tests check plumbing, not quality."""
-    cfg = RunConfig.model_validate({"data": {"max_length": 16}})
-    directory = tmp_path_factory.mktemp("checkpoint") / "checkpoint_00000010"
-    export_weights(directory, probe.random_init(cfg, seed=0).state_dict(), dump_config(cfg))
-    return directory
+def checkpoint(untrained_checkpoint):
+    return untrained_checkpoint
 
 
 @pytest.mark.ray
@@ -130,7 +125,7 @@ def test_every_command_writes_json_and_logs_to_mlflow(checkpoint, shapes_dir, tm
     assert set(sugarcrepe["blind_accuracy"]) == {"swap_obj", "swap_att"} and sugarcrepe["normalize"] == "none"
     captions = json.loads((tmp_path / "captions.json").read_text())
     assert list(captions["lengths"]) == ["4", "8"] and captions["skipped_lengths"] == [20]
-    report = (tmp_path / "report.html").read_text()
+    report = (tmp_path / "captions.html").read_text()
     assert report.count('class="caption-image"') == 3 and "CIDEr-D" in report  # one image per captioned image
 
     client = MlflowClient(tracking.absolute_tracking_uri(mlflow_uri))
@@ -138,11 +133,14 @@ def test_every_command_writes_json_and_logs_to_mlflow(checkpoint, shapes_dir, tm
     assert len(runs) == 4 and all(run.info.status == "FINISHED" for run in runs)
     metrics = {k: v for run in runs for k, v in run.data.metrics.items()}
     assert metrics["eval/probe/shapes/accuracy"] == pytest.approx(probe_result["accuracy"])
-    assert {"eval/sugarcrepe/macro", "eval/captions/N8/cider", "eval/zeroshot/shapes/accuracy"} <= set(metrics)
-    captions_run = next(r for r in runs if "eval/captions/N4/bleu4" in r.data.metrics)
+    val = f"eval/captions/{shapes_dir.name}"  # the caption set: its dataset's folder (val/ is a split)
+    assert {"eval/compositionality/sugarcrepe/macro", f"{val}/N8/cider", "eval/zeroshot/shapes/accuracy"} <= set(
+        metrics
+    )
+    captions_run = next(r for r in runs if f"{val}/N4/bleu4" in r.data.metrics)
     assert {a.path for a in client.list_artifacts(captions_run.info.run_id, "eval")} == {
         "eval/captions.json",
-        "eval/report.html",
+        "eval/captions.html",
     }
 
 
@@ -171,7 +169,12 @@ def test_results_go_into_the_training_run_with_run_id(checkpoint, shapes_dir, tm
         str(tmp_path / "aro.json"),
     )
     run = MlflowClient(tracking.absolute_tracking_uri(mlflow_uri)).get_run(run_id)
-    assert {"eval/aro/vg_relation", "eval/aro/vg_relation/blind", "eval/aro/macro"} <= set(run.data.metrics)
+    aro = "eval/compositionality/aro"
+    assert {f"{aro}/vg_relation", f"{aro}/vg_relation/blind", f"{aro}/macro"} <= set(run.data.metrics)
+    assert {
+        m.step
+        for m in MlflowClient(tracking.absolute_tracking_uri(mlflow_uri)).get_metric_history(run_id, f"{aro}/macro")
+    } == {10}  # the checkpoint's step
     assert json.loads((tmp_path / "aro.json").read_text())["normalize"] == "token"
 
 

@@ -172,7 +172,8 @@ def assert_report(out: Path, client: MlflowClient, runs: dict) -> None:
         assert set(CLAIM_FIELDS) <= set(claim) and claim["seeds"] == [0, 1] and len(claim["values_a"]) == 2
         assert claim["ci_low"] <= claim["mean_diff"] <= claim["ci_high"]
         assert claim["verdict"] in ("holds", "reversed", "inconclusive")
-    assert "| MDC beats CMLM on the linear probe | probe_accuracy | mdc | cmlm |" in (out / "results.md").read_text()
+    results = (out / "results.md").read_text()
+    assert "| MDC beats CMLM on the linear probe | eval/probe/shapes/accuracy | mdc | cmlm |" in results
     assert (out / "claims.png").read_bytes()[:4] == b"\x89PNG"
     parent = runs["study-smoke"]
     assert "claims/0/mean_diff" in parent.data.metrics

@@ -33,7 +33,11 @@ def registry(tmp_path_factory):
         export_weights(checkpoint, probe.random_init(run_cfg, seed=seed).state_dict(), dump_config(run_cfg))
         (checkpoint / "complete.json").write_text(json.dumps({"step": 10, "ranks": [0], "files": {}}))
         run_id = tracking.get_or_create_run(uri, "mdc", name, run_cfg.model_dump())
-        figures = {"online/probe_accuracy": accuracy, "online/compositionality/macro": 0.5}
+        figures = {
+            "eval/probe/shapes/accuracy": accuracy,
+            "eval/compositionality/shapes/macro": 0.5,
+            "eval/compositionality/shapes/vg_relation": 0.25,  # not a headline figure: no tag
+        }
         tracking.log_metrics(uri, run_id, figures, 10)
         tracking.finish_run(uri, run_id)
         runs[name] = (run_id, str(checkpoint))
@@ -47,7 +51,16 @@ def test_a_finished_run_registers_one_version_with_its_tags(registry):
     client = MlflowClient(uri)
     version = client.get_model_version(NAME, "1")
     assert version.run_id == run_id
-    assert version.tags == {"run_id": run_id, "run_name": "run-a", "probe": "0.6100", "compositionality": "0.5000"}
+    assert version.tags == {
+        "run_id": run_id,
+        "run_name": "run-a",
+        "eval/probe/shapes/accuracy": "0.6100",
+        "eval/compositionality/shapes/macro": "0.5000",
+    }
+    later = {"eval/captions/shapes/N10/cider": 0.125, "eval/captions/shapes/N10/bleu4": 0.5, "loss": 2.0}
+    assert model_registry.tag_figures(uri, run_id, later) == f"models:/{NAME}/1"  # the evaluation after training
+    assert client.get_model_version(NAME, "1").tags["eval/captions/shapes/N10/cider"] == "0.1250"
+    assert "loss" not in client.get_model_version(NAME, "1").tags
     assert model_registry.register_run(uri, run_id, checkpoint, NAME) == (NAME, "1")  # a relaunch: no new version
     assert sorted(str(v.version) for v in client.search_model_versions(f"name = '{NAME}'")) == ["1", "2"]
 
@@ -87,11 +100,12 @@ def test_eval_probe_takes_registered_versions(registry, shapes_dir, tmp_path, mo
 
 
 @pytest.mark.parametrize("source", ["models:/{name}/2", "runs:/{run_id}", "{run_id}"])
-def test_export_takes_versions_and_runs(registry, tmp_path, source):
+def test_export_takes_versions_and_runs(registry, tmp_path, source, monkeypatch):
     uri, runs, _ = registry
+    monkeypatch.setenv("HOME", str(tmp_path))  # its own download cache: another session's version 2 is not this one
     source = source.format(name=NAME, run_id=runs["run-b"][0])
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["export", source, "--to", str(out), "--mlflow-uri", uri, "--no-captioner"])
     assert result.exit_code == 0, result.output
     assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md"}
-    assert "| probe | 0.7400 |" in (out / export.MODEL_CARD).read_text()
+    assert "| eval/probe/shapes/accuracy | 0.7400 |" in (out / export.MODEL_CARD).read_text()

@@ -277,7 +277,8 @@ def count_worker_groups(stop: threading.Event, counts: list[int]) -> None:
 def test_a_study_with_max_concurrent_2_trains_two_at_a_time(multinode, tmp_path, capsys):
     """Two runs at once, each with half a CPU of ingest; one of them trained again alone, with all
     the CPUs its worker leaves, gets every figure of its result.json but the timings exactly."""
-    from pipelines.commands.study import load_plan, prepare_data, run_configs, run_study, train_and_evaluate
+    from pipelines.commands.study import load_plan, prepare_data, run_configs, run_study
+    from pipelines.run.evaluation import train_and_evaluate
 
     assert ray.cluster_resources()["CPU"] == 2  # two 1-CPU nodes (after the node-loss test, its replacement)
     path = one_worker_runs(tmp_path / "plan.yaml", "pairs", steps=6, images=200, log_every=3)
@@ -315,7 +316,7 @@ def test_a_study_with_max_concurrent_2_trains_two_at_a_time(multinode, tmp_path,
         tracking.absolute_tracking_uri(f"sqlite:///{alone / 'mlflow.db'}"), "mdc", "alone", {}
     )
     cfg = derive(run_configs(plan, path, alone)[("mdc", 0)], {"data.ingest_cpus": None})  # all the CPUs left
-    again = train_and_evaluate(plan, "mdc", cfg, alone, parent)
+    again = train_and_evaluate(cfg, parent)
     together = json.loads((tmp_path / "out" / "runs" / "pairs-mdc-s0" / "result.json").read_text())
 
     def figures(result: dict) -> dict:

@@ -1,22 +1,29 @@
 """Evaluation during training (pipelines/run/online_eval.py): which steps are evaluated, that an
 evaluation reads the checkpoint's own weights, that rank 0 hands checkpoints over without waiting,
-and a run that logs the probe and the compositionality scores against step in MLflow."""
+and a run on an unlabelled img2dataset folder that logs, while it trains, a probe on CIFAR-10's
+python batches, ARO-format compositionality and captions against step, under the keys every command
+uses, each equal to `mdc eval all` on the same checkpoint."""
 
+import json
 import threading
 
 import pytest
 import torch
+from helpers import EVAL_KEYS, eval_overrides
 from mlflow.tracking import MlflowClient
 from ray.util import placement_group_table
+from typer.testing import CliRunner
 
 from mdc.config import ConfigError, derive, load_config
-from mdc.data.tokenizer import CaptionTokenizer
-from mdc.evaluation import compositionality, probe
-from mdc.registry import build_model
+from mdc.evaluation import probe, suite
 from mdc.training import checkpoint as ckpt
+from pipelines.cli import app
 from pipelines.run import online_eval
 from pipelines.worker import online
 from pipelines.worker.checkpointer import Checkpointer
+
+PROBE = "eval/probe/cifar10/accuracy"
+HELD_OUT = ["eval.probes=[{dataset: shapes, root: held-out}]"]
 
 
 def config(*overrides):
@@ -24,19 +31,21 @@ def config(*overrides):
 
 
 def test_online_steps_are_checkpoint_steps_that_carry_the_weights():
-    cfg = config("eval.probe_every=15", "eval.compositionality_every=30", "eval.data_uri=held-out")
-    assert [cfg.eval.evaluations_at(s) for s in (15, 20, 30, 45)] == [
+    cfg = config("eval.probe_every=15", "eval.compositionality_every=30", "eval.captions_every=25", *HELD_OUT)
+    assert [cfg.eval.evaluations_at(s) for s in (15, 20, 25, 30, 45, 50)] == [
         ("probe",),
         (),
+        ("captions",),
         ("probe", "compositionality"),
         ("probe",),
+        ("captions",),
     ]
     saver = Checkpointer.__new__(Checkpointer)
     saver.cfg = cfg
-    assert [s for s in range(1, 51) if saver.due(s)] == [15, 20, 30, 40, 45, 50]
-    assert [s for s in range(1, 51) if saver.exports(s)] == [15, 30, 45, 50]  # the last for evaluation
-    with pytest.raises(ConfigError, match="need eval.data_uri"):
-        config("eval.probe_every=15")
+    assert [s for s in range(1, 51) if saver.due(s)] == [15, 20, 25, 30, 40, 45, 50]
+    assert [s for s in range(1, 51) if saver.exports(s)] == [15, 25, 30, 45, 50]  # the last for evaluation
+    with pytest.raises(ConfigError, match="eval.probe_every needs eval.probes"):
+        suite.resolve_section(config("eval.probe_every=15", "data.train_uri=/nowhere/folder"))
 
 
 class Recorder:
@@ -55,7 +64,7 @@ def test_rank0_hands_over_each_due_checkpoint_once_it_is_complete_and_waits_for_
     acknowledged = []
     monkeypatch.setattr(online, "ask", lambda refs, what: acknowledged.append(list(refs)))
     evaluator = Recorder()
-    callback = online.EvaluationHandOver(config("eval.probe_every=20", "eval.data_uri=d"), "/runs/r", evaluator)
+    callback = online.EvaluationHandOver(config("eval.probe_every=20", *HELD_OUT), "/runs/r", evaluator)
     for step in (20, 40):
         for rank in (0, 1):
             for at in ("shard_written", "committed"):
@@ -75,55 +84,54 @@ def test_an_evaluation_runs_where_its_bundle_says(monkeypatch):
         online_eval.evaluation_device(1.0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert online_eval.evaluation_device(0.5) == torch.device("cuda")
-    cfg = config("eval.probe_every=20", "eval.data_uri=d")
+    cfg = config("eval.probe_every=20", *HELD_OUT)
     seen = []
-    monkeypatch.setattr(
-        probe, "probe_shapes", lambda m, *a, **k: seen.append(next(m.parameters()).device) or {"accuracy": 1}
-    )
-    weights = build_model(cfg, CaptionTokenizer).state_dict()
-    assert online_eval.evaluate_weights(cfg, weights, ("probe",), 1, torch.device("meta")) == {online_eval.PROBE_KEY: 1}
-    assert seen == [torch.device("meta")]
+
+    def evaluate(subject, ev, which, endpoint_url, baseline):
+        seen.append((next(subject.captioner.parameters()).device, which, baseline))
+        return suite.Evaluation({PROBE: 1.0})
+
+    monkeypatch.setattr(suite, "evaluate", evaluate)
+    weights = probe.random_init(cfg).state_dict()
+    figures = online_eval.evaluate_weights(cfg, weights, ("probe",), 1, torch.device("meta"), {"b": 0.5})
+    assert figures == {PROBE: 1.0} and seen == [(torch.device("meta"), ("probe",), {"b": 0.5})]
     assert online_eval.bundle(derive(cfg, {"eval.cpus": 0.25, "eval.gpus": 1})) == {"CPU": 0.25, "GPU": 1}
     assert online_eval.bundle(derive(cfg, {"eval.cpus": 0.0})) == {}  # asks for nothing: nothing to set aside
     assert online_eval.bundle(config("eval.cpus=2")) == {}  # no online evaluation
 
 
-def test_an_evaluation_scores_the_checkpoints_own_weights(shapes_dir, monkeypatch):
-    """Both evaluations are handed a model with exactly the checkpoint's weights (seed 7's: no fresh
-    build has them), in eval mode, and their figures are that model's, scored independently."""
-    cfg = config("eval.probe_every=20", "eval.compositionality_every=20", f"eval.data_uri={shapes_dir}", "eval.limit=8")
-    trained, scored = probe.random_init(cfg, seed=7), []
-    probe_shapes, evaluate_shapes = probe.probe_shapes, compositionality.evaluate_shapes
-    monkeypatch.setattr(probe, "probe_shapes", lambda m, *a, **k: scored.append(m) or probe_shapes(m, *a, **k))
+def test_an_evaluation_scores_the_checkpoints_own_weights(shapes_dir, cifar10_dir, monkeypatch):
+    """The one evaluation is handed a model with exactly the checkpoint's weights (seed 7's: no fresh
+    build has them), in eval mode, and its figures are that model's, scored independently."""
+    cfg = suite.resolve_section(
+        config(
+            f"data.train_uri={shapes_dir / 'train'}", "eval.probe_every=20", *eval_overrides(cifar10_dir, shapes_dir)
+        )
+    )
+    trained, scored, evaluate = probe.random_init(cfg, seed=7), [], suite.evaluate
     monkeypatch.setattr(
-        compositionality, "evaluate_shapes", lambda m, *a, **k: scored.append(m) or evaluate_shapes(m, *a, **k)
+        suite, "evaluate", lambda subject, *a, **k: scored.append(subject) or evaluate(subject, *a, **k)
     )
     figures = online_eval.evaluate_weights(cfg, trained.state_dict(), ("probe", "compositionality"), threads=1)
-    assert len(scored) == 2
-    for model in scored:
-        assert not model.training
-        for (name, value), expected in zip(model.state_dict().items(), trained.state_dict().values()):
-            assert torch.equal(value, expected), name
-    assert figures[online_eval.PROBE_KEY] == probe_shapes(trained, str(shapes_dir))["accuracy"]
-    alone = evaluate_shapes(trained, "mdc", str(shapes_dir), samples=cfg.eval.samples, limit=8, seed=cfg.train.seed)
-    prefix = online_eval.COMPOSITIONALITY_PREFIX
-    assert {k: v for k, v in figures.items() if k.startswith(prefix)} == {
-        **{prefix + subset: acc for subset, acc in alone["accuracy"].items()},
-        prefix + "macro": alone["macro_accuracy"],
-    }
+    [subject] = scored
+    assert not subject.captioner.training and subject.encoder is subject.captioner
+    for (name, value), expected in zip(subject.captioner.state_dict().items(), trained.state_dict().values()):
+        assert torch.equal(value, expected), name
+    alone = evaluate(suite.of_captioner(trained, cfg), cfg.eval, ("probe", "compositionality")).metrics
+    assert figures == alone and set(figures) == {k for k in EVAL_KEYS if "/captions/" not in k}
 
 
 def test_the_summary_line_names_each_step_and_its_error():
     line = online_eval.summary_line(
         [
-            {"step": 10, online_eval.PROBE_KEY: 0.5},
-            {"step": 20, online_eval.PROBE_KEY: 0.625, online_eval.COMPOSITIONALITY_PREFIX + "macro": 0.75},
+            {"step": 10, PROBE: 0.5, "seconds": 3.0},
+            {"step": 20, PROBE: 0.625, "eval/compositionality/aro/macro": 0.75, "eval/compositionality/aro/x": 0.1},
             {"step": 30, "error": "not finished within eval.timeout_s = 5 s"},
         ]
     )
     assert line == (
-        "online evaluation — step 10: probe 0.500; step 20: probe 0.625, compositionality 0.750; "
-        "step 30: not finished within eval.timeout_s = 5 s"
+        f"online evaluation — step 10: {PROBE} 0.500; step 20: eval/compositionality/aro/macro 0.750, "
+        f"{PROBE} 0.625; step 30: not finished within eval.timeout_s = 5 s"
     )
 
 
@@ -147,8 +155,10 @@ def evaluation_bundles(stop, seen: list) -> None:
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(420)
-def test_a_run_logs_the_probe_and_compositionality_against_step_while_it_trains(ray_cluster, shapes_dir, tmp_path):
+@pytest.mark.timeout(480)
+def test_a_run_on_unlabelled_data_logs_its_eval_section_against_step_while_it_trains(
+    ray_cluster, img2dataset_dir, cifar10_dir, shapes_dir, tmp_path
+):
     """Two workers (0.5 CPU each) and ingest take every CPU but the evaluation's 0.25, which the run
     sets aside before its workers are placed: the step-10 evaluation is logged while the run trains.
     The workers wait at step 21 until it is (HoldUntilFile): an evaluation that waited for training
@@ -162,7 +172,7 @@ def test_a_run_logs_the_probe_and_compositionality_against_step_while_it_trains(
             "name=online",
             f"storage_uri={tmp_path / 'ckpt'}",
             f"mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-            f"data.train_uri={shapes_dir / 'train'}",
+            f"data.train_uri={img2dataset_dir}",  # no labels: what judges it is the eval section's
             "data.val_uri=null",
             "data.max_length=16",
             "train.batch_size=8",
@@ -172,9 +182,8 @@ def test_a_run_logs_the_probe_and_compositionality_against_step_while_it_trains(
             "optim.warmup_steps=5",
             "eval.probe_every=10",
             "eval.compositionality_every=30",
-            f"eval.data_uri={shapes_dir}",
-            "eval.limit=8",
-            "eval.samples=2",
+            "eval.captions_every=30",
+            *eval_overrides(cifar10_dir, shapes_dir),
             "eval.cpus=0.25",  # ingest keeps 0.75 of the 2 CPUs
             "eval.timeout_s=240",
         ],
@@ -182,11 +191,7 @@ def test_a_run_logs_the_probe_and_compositionality_against_step_while_it_trains(
     stop, bundles, released = threading.Event(), [], tmp_path / "step-10-probe-logged"
     watchers = [
         threading.Thread(target=evaluation_bundles, args=(stop, bundles), daemon=True),
-        threading.Thread(
-            target=release_when_logged,
-            args=(stop, cfg.mlflow_uri, online_eval.PROBE_KEY, 10, released),
-            daemon=True,
-        ),
+        threading.Thread(target=release_when_logged, args=(stop, cfg.mlflow_uri, PROBE, 10, released), daemon=True),
     ]
     for watcher in watchers:
         watcher.start()
@@ -199,27 +204,31 @@ def test_a_run_logs_the_probe_and_compositionality_against_step_while_it_trains(
     assert released.exists()
     assert bundles and all(b == {0: {"CPU": 0.25}} for b in bundles), bundles[:3]
     client = MlflowClient(cfg.mlflow_uri)
-    metrics = {
-        key: sorted((m.step, m.timestamp) for m in client.get_metric_history(summary.mlflow_run_id, key))
-        for key in ("loss", online_eval.PROBE_KEY, online_eval.COMPOSITIONALITY_PREFIX + "macro")
-    }
-    steps = {key: [step for step, _ in points] for key, points in metrics.items()}
-    assert steps[online_eval.PROBE_KEY] == [10, 20, 30] and steps[online_eval.COMPOSITIONALITY_PREFIX + "macro"] == [30]
-    assert steps["loss"][-1] == 30
-    probe_10, last_loss = metrics[online_eval.PROBE_KEY][0][1], metrics["loss"][-1][1]
+    logged = {k for k in client.get_run(summary.mlflow_run_id).data.metrics if k.startswith("eval/")}
+    assert logged == EVAL_KEYS  # every figure, under the key every command logs it with
+    steps = {key: [m.step for m in client.get_metric_history(summary.mlflow_run_id, key)] for key in EVAL_KEYS}
+    assert all(sorted(s) == ([10, 20, 30] if "/probe/" in k else [30]) for k, s in steps.items()), steps
+    probe_10 = min(m.timestamp for m in client.get_metric_history(summary.mlflow_run_id, PROBE))
+    last_loss = max(m.timestamp for m in client.get_metric_history(summary.mlflow_run_id, "loss"))
     print(f"the step-10 probe was logged {(last_loss - probe_10) / 1000:.1f} s before training ended")
     assert probe_10 < last_loss
     assert [r["step"] for r in summary.online] == [10, 20, 30] and not any("error" in r for r in summary.online)
-    # each evaluation scored its own step's weights: step 30's are the exported final ones
+    baselines = {r[PROBE.replace("accuracy", "random_init_accuracy")] for r in summary.online}
+    assert len(baselines) == 1  # measured once, handed to every step's evaluation
     run_dir = str(tmp_path / "ckpt" / "online")
     at_10, at_30 = (ckpt.read_weights(ckpt.checkpoint_dir(run_dir, s)) for s in (10, 30))
-    assert any(not torch.equal(at_10[k], at_30[k]) for k in at_30)
-    final, _ = ckpt.load_pretrained(summary.checkpoint_uri)
-    assert summary.online[2][online_eval.PROBE_KEY] == probe.probe_shapes(final, str(shapes_dir))["accuracy"]
-    step_10 = build_model(cfg, CaptionTokenizer)
-    step_10.load_state_dict(at_10)
-    assert summary.online[0][online_eval.PROBE_KEY] == probe.probe_shapes(step_10.eval(), str(shapes_dir))["accuracy"]
-    print("online probe at steps 10, 20, 30:", [r[online_eval.PROBE_KEY] for r in summary.online])
+    assert any(not torch.equal(at_10[k], at_30[k]) for k in at_30)  # each step scored its own weights
+
+    out = tmp_path / "all.json"  # the final checkpoint judged again by `mdc eval all`: the same figures
+    result = CliRunner().invoke(
+        app, ["eval", "all", "--checkpoint", summary.checkpoint_uri, "--out", str(out), "--mlflow-uri", ""]
+    )
+    assert result.exit_code == 0, result.output
+    again = json.loads(out.read_text())["metrics"]
+    final = {k: v for k, v in summary.online[2].items() if k.startswith("eval/")}
+    clock = "captions_per_s"  # a speed, not a score
+    assert {k: v for k, v in again.items() if clock not in k} == {k: v for k, v in final.items() if clock not in k}
+    print("online probe at steps 10, 20, 30:", [r[PROBE] for r in summary.online])
     artifacts = [a.path for a in client.list_artifacts(summary.mlflow_run_id, "report")]
     assert "report/online.png" in artifacts
     left = [g["state"] for g in placement_group_table().values() if g["name"] == "online-online-eval"]

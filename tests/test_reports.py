@@ -1,5 +1,5 @@
-"""The demo's report.html: one image per held-out caption, the loss curves, the probe and
-compositionality table with whatever columns the results hold; also an MLflow artifact."""
+"""The demo's report.html: one image per held-out caption, the loss curves, every figure under its
+MLflow key; also an MLflow artifact."""
 
 import re
 from types import SimpleNamespace
@@ -34,21 +34,20 @@ def test_demo_report_holds_every_caption_image_the_curves_and_the_tables(shapes_
             for i, img in enumerate(images)
         ],
     }
-    evaluation = {
-        "probe_accuracy": 0.8,
-        "probe_random_init_accuracy": 0.5,
-        "compositionality_scorer": "montecarlo",
-        "compositionality": {"vg_relation": 0.9, "vg_attribution": 0.7},
-        "compositionality_blind": {"vg_relation": 0.5, "vg_attribution": 0.52},
+    metrics = {
+        "eval/probe/shapes/accuracy": 0.8,
+        "eval/probe/shapes/random_init_accuracy": 0.5,
+        "eval/compositionality/shapes/vg_relation": 0.9,
+        "eval/compositionality/shapes/vg_relation/blind": 0.52,
     }
-    path = write_report(tmp_path, cfg, SimpleNamespace(mlflow_run_id=run_id), evaluation, images, captions)
+    path = write_report(tmp_path, cfg, SimpleNamespace(mlflow_run_id=run_id), metrics, images, captions)
 
     page = path.read_text()
     assert len(images) == 5 and page.count('class="caption-image"') == 5
     assert all(img.references[0] in page for img in images) and "caption &lt;3&gt;" in page
     assert page.count('class="curves"') == 1 and (tmp_path / "curves.png").stat().st_size > 5000
-    assert re.search(r"<th>compositionality_blind</th>", page) and "<td>vg_attribution</td>" in page
-    assert "0.5200" in page and "CIDEr-D" in page and "N' = 10" in page
+    assert re.search(r"<td>eval/compositionality/shapes/vg_relation/blind</td><td>0.5200</td>", page)  # its key
+    assert "<td>eval/probe/shapes/accuracy</td>" in page and "CIDEr-D" in page and "N' = 10" in page
     logged = {a.path for a in MlflowClient(uri).list_artifacts(run_id, "report")}
     assert logged == {"report/report.html", "report/curves.png"}
 

@@ -1,6 +1,8 @@
 """Dataset scaling: nested subsets of the requested sizes, and `mdc scaling` end to end on the local
 Ray — two sizes trained and probed under one MLflow parent, and a rerun that trains nothing."""
 
+import csv
+import io
 import json
 import math
 
@@ -61,8 +63,8 @@ def test_total_comes_from_the_manifest_beside_the_split(tmp_path):
     [
         (["--sizes", "50,200"], "larger than the 100 pairs"),
         (["--sizes", "5Q"], "--sizes: '5Q'"),
-        (["--sizes", "50"], "manifest.json: no field class_names"),
-        (["--sizes", "50", "--probe-dataset", "mnist9"], "--probe-dataset 'mnist9'"),
+        (["--sizes", "50"], "mdc scaling (its curve is the first probe's accuracy) needs eval.probes"),
+        (["--sizes", "50", "eval.probes=[{dataset: mnist9, root: x}]"], "eval.probes.0: dataset 'mnist9'"),
         (["--sizes", "50", "model.preset=huge"], "model.preset"),
     ],
 )
@@ -102,6 +104,8 @@ def test_scaling_curve_under_one_parent_and_rerun_trains_nothing(ray_cluster, sh
         "checkpoint.every=6",
         "train.log_every=3",
         "optim.warmup_steps=2",
+        "eval.compositionality=[]",  # the default section's probe of the shapes labels alone
+        "eval.captions=[]",
     ]
     first = CliRunner().invoke(app, args)
     assert first.exit_code == 0, first.output[-3000:]
@@ -113,18 +117,28 @@ def test_scaling_curve_under_one_parent_and_rerun_trains_nothing(ray_cluster, sh
     assert sorted(children) == ["tiny-200", "tiny-60"]
     for run in children.values():
         assert run.info.status == "FINISHED"
-        assert [k for k in run.data.metrics if k.startswith("eval/probe/")], run.data.metrics
-    curve = client.get_metric_history(parent.info.run_id, "scaling/probe_accuracy")
-    assert sorted(m.step for m in curve) == [60, 200]
+        assert {k for k in run.data.metrics if k.startswith("eval/")} == {
+            f"eval/probe/shapes/{figure}" for figure in ("accuracy", "random_init_accuracy", "gain")
+        }
+        assert {m.step for m in client.get_metric_history(run.info.run_id, "eval/probe/shapes/accuracy")} == {6}
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "scaling")}
     assert artifacts == {"scaling/scaling_curve.png", "scaling/scaling.csv", "scaling/scaling.md"}
     png = client.download_artifacts(parent.info.run_id, "scaling/scaling_curve.png", str(tmp_path))
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     table = open(client.download_artifacts(parent.info.run_id, "scaling/scaling.csv", str(tmp_path))).read()
-    assert len(table.strip().splitlines()) == 3 and "tiny-60" in table
-    result = json.loads((tmp_path / "ckpt" / "tiny-60" / "results.json").read_text())
+    rows = list(csv.DictReader(io.StringIO(table)))
     total = shards.read_manifest(str(shapes_dir))["splits"]["train"]["num_samples"]
-    assert result["pairs_seen"] == 6 * 8 and result["fraction"] == 60 / total
+    assert [(r["run_name"], r["figure"]) for r in rows] == [
+        ("tiny-60", "eval/probe/shapes/accuracy"),
+        ("tiny-200", "eval/probe/shapes/accuracy"),
+    ]
+    assert rows[0]["pairs_seen"] == str(6 * 8) and float(rows[0]["fraction"]) == 60 / total
+    result = json.loads((tmp_path / "ckpt" / "tiny-60" / "results.json").read_text())
+    assert (
+        float(rows[0]["value"])
+        == result["metrics"]["eval/probe/shapes/accuracy"]
+        == children["tiny-60"].data.metrics["eval/probe/shapes/accuracy"]
+    )
 
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 0, again.output[-3000:]
@@ -133,4 +147,4 @@ def test_scaling_curve_under_one_parent_and_rerun_trains_nothing(ray_cluster, sh
     assert {n: (r.info.start_time, r.info.end_time) for n, r in rerun.items()} == {
         n: (r.info.start_time, r.info.end_time) for n, r in children.items()
     }
-    assert len(client.get_metric_history(parent.info.run_id, "scaling/probe_accuracy")) == 2
+    assert client.get_run(parent.info.run_id).info.status == "FINISHED"

@@ -1,5 +1,6 @@
-"""`mdc study`: the interval arithmetic on hand-made values and plan validation before any run (the
-smoke plan end to end through Ray, interrupted, resumed and run again: tests/test_interrupt.py)."""
+"""`mdc study`: the interval arithmetic on hand-made values and plan validation before any run, a
+claim's figure named by its eval key (the smoke plan end to end through Ray, interrupted, resumed and
+run again: tests/test_interrupt.py; a failed run ends the parent FAILED: tests/test_eval_section.py)."""
 
 import math
 from pathlib import Path
@@ -9,7 +10,6 @@ import yaml
 from typer.testing import CliRunner
 
 from pipelines.cli import app
-from pipelines.commands import study
 from pipelines.commands.study import StudyError, load_plan, paired_interval, run_configs, verdict
 
 SMOKE = Path(__file__).resolve().parent.parent / "studies" / "smoke.yaml"
@@ -47,27 +47,6 @@ def test_verdicts_for_a_claim_that_holds_one_reversed_and_one_inconclusive():
     assert verdict(-0.07, 0.01, "at_least", margin=0.05) == "inconclusive"
 
 
-def test_runs_built_alike_share_one_random_init_probe(monkeypatch):
-    from mdc.config import load_config
-
-    probed = []
-    monkeypatch.setattr(study, "_RANDOM_INIT_PROBES", {})
-    monkeypatch.setattr(
-        study.probe, "probe_shapes", lambda model, uri, endpoint: probed.append(uri) or {"accuracy": 0.5}
-    )
-    for overrides in (
-        ["objective.name=mdc"],
-        ["objective.name=cmlm"],
-        ["objective.name=bert", "objective.mask_ratio=0.75"],
-        ["objective.name=mdc", "train.seed=1"],
-        ["objective.name=clip"],
-        ["objective.name=mdc"],
-    ):
-        assert study.random_init_probe(load_config(None, overrides), "data/shapes") == 0.5
-    assert study.random_init_probe(load_config(None, ["objective.name=mdc"]), "data/other") == 0.5
-    assert len(probed) == 4  # the masked three at seed 0, seed 1, CLIP, other data
-
-
 def write_plan(tmp_path, **changes) -> Path:
     plan = yaml.safe_load(SMOKE.read_text())
     for key, value in changes.items():
@@ -83,26 +62,28 @@ def write_plan(tmp_path, **changes) -> Path:
         ({"seeds": [0]}, r"seeds: List should have at least 2 items"),
         ({"seeds": [1, 1]}, r"seeds must be distinct"),
         (
-            {"claims": [{"name": "x", "metric": "probe_accuracy", "arm_a": "mdc", "arm_b": "gpt"}]},
+            {"claims": [{"name": "x", "metric": "eval/probe/shapes/accuracy", "arm_a": "mdc", "arm_b": "gpt"}]},
             r"claims.0.arm_b: 'gpt' is not one of the arms",
         ),
         (
-            {"claims": [{"name": "x", "metric": "accuracy", "arm_a": "mdc", "arm_b": "cmlm"}]},
-            r"claims.0.metric: unknown metric 'accuracy'",
+            {"claims": [{"name": "x", "metric": "probe_accuracy", "arm_a": "mdc", "arm_b": "cmlm"}]},
+            r"claims.0.metric: 'probe_accuracy' is not a figure the eval section measures; its figures: \['loss'",
         ),
         (
-            {"claims": [{"name": "x", "metric": "captions/N20/cider", "arm_a": "mdc", "arm_b": "cmlm"}]},
-            r"claims.0.metric: 'captions/N20/cider' needs 20 in evaluations.caption_lengths",
+            {"claims": [{"name": "x", "metric": "eval/captions/shapes/N20/cider", "arm_a": "mdc", "arm_b": "cmlm"}]},
+            r"claims.0.metric: 'eval/captions/shapes/N20/cider' is not a figure .*eval/captions/shapes/N8/cider",
         ),
         ({"arms": {"mdc": {"data": "coco"}, "cmlm": {}}}, r"arms.mdc.data: 'coco' is not one of the datasets"),
         ({"budget": {"train.stepz": 3}}, r"unknown field"),
-        ({"evaluations": {"probe": False}}, r"claims.0.metric: 'probe_accuracy' needs evaluations.probe: true"),
+        ({"evaluations": {"probe": False}}, r"evaluations is now the runs' eval section: put eval.\* keys in budget"),
         (
             {
                 "datasets": {"shapes": {"kind": "shapes", "num": 40, "max_objects": 1}},
-                "claims": [{"name": "x", "metric": "compositionality_accuracy", "arm_a": "mdc", "arm_b": "cmlm"}],
+                "claims": [
+                    {"name": "x", "metric": "eval/compositionality/shapes/macro", "arm_a": "mdc", "arm_b": "cmlm"}
+                ],
             },
-            r"claims.0.metric: arm 'mdc' trains on data with no compositionality pairs",
+            r"claims.0.metric: 'eval/compositionality/shapes/macro' is not a figure",  # one shape: no pairs
         ),
     ],
 )
@@ -123,8 +104,21 @@ def test_an_arm_config_error_names_the_arm_and_the_field(tmp_path):
 
 
 def test_a_bad_plan_stops_the_command_before_any_run(tmp_path, ray_forbidden):
-    path = write_plan(tmp_path, claims=[{"name": "x", "metric": "probe_accuracy", "arm_a": "mdc", "arm_b": "bert"}])
+    path = write_plan(
+        tmp_path, claims=[{"name": "x", "metric": "eval/probe/shapes/accuracy", "arm_a": "mdc", "arm_b": "bert"}]
+    )
     result = CliRunner().invoke(app, ["study", "--plan", str(path), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2
     assert "claims.0.arm_b: 'bert' is not one of the arms" in " ".join(result.output.split())
     assert not (tmp_path / "out").exists()
+
+
+def test_a_set_an_arm_names_that_cannot_be_reached_stops_the_command_before_any_run(tmp_path, ray_forbidden):
+    plan = yaml.safe_load(SMOKE.read_text())
+    plan["budget"]["eval.probes"] = [{"dataset": "cifar10", "root": str(tmp_path / "no-cifar")}]
+    plan["claims"] = [{"name": "x", "metric": "eval/probe/cifar10/accuracy", "arm_a": "mdc", "arm_b": "cmlm"}]
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    result = CliRunner().invoke(app, ["study", "--plan", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert f"eval.probes.0.root: {tmp_path / 'no-cifar'} does not exist" in " ".join(result.output.split())

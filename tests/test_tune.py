@@ -1,28 +1,27 @@
-"""Sweeps: a 4-trial Ray Tune sweep of the tiny model, ASHA, MLflow parent/children and artifacts;
-bad space files rejected before any trial starts."""
+"""Sweeps: a 2-trial Ray Tune sweep of the tiny model on an unlabelled img2dataset folder, ranked by
+a probe on CIFAR-10's python batches, ASHA, MLflow parent/children and artifacts, every figure under
+the key every command uses; bad space files rejected before any trial starts."""
 
+import json
 import os
 import textwrap
 
 import pytest
+from helpers import EVAL_KEYS, eval_overrides
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
 from mdc.config import ConfigError, RunConfig, load_config
-from mdc.evaluation.probe import probe_shapes
-from mdc.training.checkpoint import load_pretrained
+from mdc.evaluation import suite
 from pipelines.cli import app
-from pipelines.commands.search_space import load_space
+from pipelines.commands.search_space import load_space, ranking
 
 SPACE = """\
 name: test_schedule
 search: grid
 metric: val_loss
 mode: min
-rank_by: probe_accuracy
 params:
-  objective.omega_l,objective.omega_u:
-    grid: [[0.0, 1.0], [0.5, 1.0]]
   optim.lr:
     grid: [0.002, 0.000001]
 base:
@@ -103,22 +102,38 @@ def test_stopped_trials_are_killed_and_errored_ones_stay_failed(tmp_path):
     assert status == {"a": "KILLED", "b": "KILLED", "c": "FAILED", "d": "FINISHED"}
 
 
+def test_trials_are_ranked_by_the_first_probe_or_a_figure_the_section_measures(tmp_path, cifar10_dir, shapes_dir):
+    base = suite.resolve_section(
+        load_config(None, [f"data.train_uri={shapes_dir / 'train'}", *eval_overrides(cifar10_dir, shapes_dir)])
+    )
+    space = load_space(write(tmp_path, SPACE), base)
+    assert space.rank_by is None and ranking(space, base).rank_by == "eval/probe/cifar10/accuracy"
+    chosen = space.model_copy(update={"rank_by": "eval/compositionality/aro/vg_relation"})
+    assert ranking(chosen, base).rank_by == "eval/compositionality/aro/vg_relation"
+    with pytest.raises(ConfigError, match=r"rank_by: 'probe_accuracy' is not a figure the eval section measures"):
+        ranking(space.model_copy(update={"rank_by": "probe_accuracy"}), base)
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path, monkeypatch):
-    """Given relative paths (trials run in Tune's trial folders, so the driver must resolve them)."""
+def test_a_sweep_on_unlabelled_data_ranked_by_a_cifar_probe(
+    ray_cluster, img2dataset_dir, cifar10_dir, shapes_dir, tmp_path, monkeypatch
+):
+    """Given relative paths (trials run in Tune's trial folders, so the driver must resolve them).
+    ASHA stops the lr=1e-6 trial; the other is judged on the eval section and ranks first."""
     from pipelines.commands.tune import run_sweep
+    from pipelines.run import model_registry
 
     monkeypatch.chdir(tmp_path)
-    shapes = os.path.relpath(shapes_dir, tmp_path)
+    data = os.path.relpath(img2dataset_dir, tmp_path)
     base = load_config(
         None,
         [
             "name=sweep",
             "storage_uri=store",
             "mlflow_uri=sqlite:///mlflow.db",
-            f"data.train_uri={shapes}/train",
-            f"data.val_uri={shapes}/val",
+            f"data.train_uri={data}",
+            f"data.val_uri={data}",  # ASHA's val_loss (no split of its own: the folder itself)
             "data.max_length=16",
             "train.batch_size=8",
             "workers.count=1",
@@ -128,10 +143,11 @@ def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path, monk
             "validation.batches=2",
             "checkpoint.every=6",
             "optim.warmup_steps=2",
+            *eval_overrides(cifar10_dir, shapes_dir),
         ],
     )
     space = load_space(write(tmp_path, SPACE), base)
-    summary = run_sweep(space, base, max_concurrent=1)  # one at a time: ASHA stops the lr=1e-6 trials
+    summary = run_sweep(space, base, max_concurrent=1)  # one at a time: ASHA stops the lr=1e-6 trial
 
     assert summary.failures == []
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -139,29 +155,26 @@ def test_four_trial_sweep_logs_to_mlflow(ray_cluster, shapes_dir, tmp_path, monk
     children = client.search_runs(
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{summary.parent_run_id}'"
     )
-    assert len(children) == 4
-    lrs = sorted(float(c.data.params["optim.lr"]) for c in children)
-    assert lrs == [0.000001, 0.000001, 0.002, 0.002]
-    assert sorted(float(c.data.params["objective.omega_l"]) for c in children) == [0.0, 0.0, 0.5, 0.5]
-    # the sweep's conclusion needs both halves: ASHA stopped the two lr=1e-6 trials and neither lr=0.002 one
-    assert sorted((r["optim.lr"], r["stopped_early"]) for r in summary.rows) == [
-        (0.000001, True),
-        (0.000001, True),
-        (0.002, False),
-        (0.002, False),
-    ], summary.rows
-    finished = [c for c in children if "probe_accuracy" in c.data.metrics]
-    assert len(finished) == 2  # the lr=0.002 trials; each figure is the probe of its own checkpoint
-    for child in finished:
-        model, _ = load_pretrained(child.data.tags["checkpoint"])
-        assert child.data.metrics["probe_accuracy"] == probe_shapes(model, str(shapes_dir))["accuracy"]
-    assert all(c.info.status in ("FINISHED", "KILLED") for c in children), (
-        [(c.data.tags.get("mdc.run_name"), c.info.status) for c in children],
-        summary.rows,
-    )
+    assert sorted(float(c.data.params["optim.lr"]) for c in children) == [0.000001, 0.002]
+    assert sorted((r["optim.lr"], r["stopped_early"]) for r in summary.rows) == [(0.000001, True), (0.002, False)]
+    [finished] = [c for c in children if float(c.data.params["optim.lr"]) == 0.002]
+    assert {k for k in finished.data.metrics if k.startswith("eval/")} == EVAL_KEYS  # the keys every command logs
+    checkpoint, _ = model_registry.run_checkpoint(f"sqlite:///{tmp_path / 'mlflow.db'}", finished.info.run_id)
+    out = tmp_path / "all.json"
+    result = CliRunner().invoke(app, ["eval", "all", "--checkpoint", checkpoint, "--out", str(out), "--mlflow-uri", ""])
+    assert result.exit_code == 0, result.output
+    again = json.loads(out.read_text())["metrics"]
+    assert {k: v for k, v in again.items() if "per_s" not in k} == {
+        k: v for k, v in finished.data.metrics.items() if k.startswith("eval/") and "per_s" not in k
+    }
+    assert all(c.info.status in ("FINISHED", "KILLED") for c in children), [
+        (c.data.tags.get("mdc.run_name"), c.info.status) for c in children
+    ]
     artifacts = {a.path for a in client.list_artifacts(summary.parent_run_id)}
     assert {"results.csv", "results.md", "sweep.png"} <= artifacts
     assert summary.best is not None and summary.best["optim.lr"] == 0.002
+    assert summary.best["eval/probe/cifar10/accuracy"] == finished.data.metrics["eval/probe/cifar10/accuracy"]
+    assert parent.data.metrics["best/eval/probe/cifar10/accuracy"] == summary.best["eval/probe/cifar10/accuracy"]
 
 
 @pytest.mark.ray

@@ -12,6 +12,7 @@ References are all captions of the same image (samples whose image bytes are ide
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 import time
@@ -108,7 +109,9 @@ def evaluate_captions(
 
     Fixed lengths above the model's max_length cannot be written (no position embedding) and are
     listed under `skipped_lengths`, as are `predicted` and `reference` for writers of a fixed length.
-    Samplers that draw (continuous denoising, ancestral) draw from `seed`, each length afresh."""
+    A fixed N' is written in at most N' passes (one token each): more `decoding.steps` are clamped to
+    N' and the lengths listed under `clamped_steps`. Samplers that draw (continuous denoising,
+    ancestral) draw from `seed`, each length afresh."""
     decoding = decoding or Decoding()
     device = next(model.parameters()).device
     max_length = model.pos_embed.shape[1] - 1
@@ -119,7 +122,9 @@ def evaluate_captions(
         n for n in lengths if (n in LENGTH_CHOICES and variable) or (n not in LENGTH_CHOICES and int(n) <= max_length)
     ]
     results, generated = {}, {}
+    clamped = [n for n in chosen if n not in LENGTH_CHOICES and decoding.steps and decoding.steps > int(n)]
     for length in chosen:
+        passes = dataclasses.replace(decoding, steps=int(length)) if length in clamped else decoding
         captions, seconds, generator = [], 0.0, torch.Generator(device).manual_seed(seed)
         for i in range(0, len(images), batch_size):
             batch = images[i : i + batch_size]
@@ -127,7 +132,7 @@ def evaluate_captions(
             n = caption_lengths(model, objective, batch, length, tokenizer, pixels)
             _wait_for(device)
             tic = time.perf_counter()
-            tokens = registry.write_captions(model, pixels, objective, n, decoding, generator)
+            tokens = registry.write_captions(model, pixels, objective, n, passes, generator)
             _wait_for(device)
             seconds += time.perf_counter() - tic
             captions += tokenizer.decode(tokens)
@@ -137,6 +142,7 @@ def evaluate_captions(
     return {
         "lengths": results,
         "skipped_lengths": [n for n in lengths if n not in chosen],
+        "clamped_steps": clamped,
         "sampler": registry.objective(objective).sampler or decoding.label(),
         "num_images": len(images),
         "captions": [

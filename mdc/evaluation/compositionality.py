@@ -58,6 +58,7 @@ ARO_FILES = {
 }
 SUGARCREPE_SUBSETS = ("add_att", "add_obj", "replace_att", "replace_obj", "replace_rel", "swap_att", "swap_obj")
 BENCHMARKS = ("aro", "sugarcrepe")
+SHAPES_SUBSETS = ("vg_relation", "vg_attribution", "swap_obj", "swap_att")  # what `mdc data shapes` writes
 VG_FIELDS = ("image_path", "bbox_x", "bbox_y", "bbox_w", "bbox_h", "true_caption", "false_caption")
 BLIND_BIAS_THRESHOLD = 0.6
 NORMALIZATIONS = ("none", "token")
@@ -73,6 +74,11 @@ class Item:
 
 
 # ------------------------------------------------------------------------------------- readers
+
+
+def benchmark_subsets(benchmark: str) -> tuple[str, ...]:
+    """The subsets a benchmark can hold (`shapes`: the ARO/SugarCrepe-format pairs `mdc data shapes` writes)."""
+    return {"aro": tuple(ARO_FILES), "sugarcrepe": SUGARCREPE_SUBSETS, "shapes": SHAPES_SUBSETS}[benchmark]
 
 
 def _load_json(path: Path):

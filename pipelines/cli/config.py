@@ -26,7 +26,29 @@ SECTIONS = {
 def type_text(annotation) -> str:
     if get_origin(annotation) is Literal:
         return " | ".join(repr(value) for value in get_args(annotation))  # the allowed values
-    return getattr(annotation, "__name__", str(annotation))
+    item = item_model(annotation)
+    if item is not None:
+        return f"list of {item.__name__}"
+    return getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+
+
+def item_model(annotation) -> type[BaseModel] | None:
+    """The model a list field holds (`list[ProbeSet] | None`: ProbeSet), or None."""
+    for member in (annotation, *get_args(annotation)):
+        if get_origin(member) is list:
+            (item,) = get_args(member)
+            if isinstance(item, type) and issubclass(item, BaseModel):
+                return item
+    return None
+
+
+def field_lines(path: str, field: FieldInfo) -> list[str]:
+    """A field's line; for a list of entries, also each entry field's (PATH[].KEY)."""
+    item = item_model(field.annotation)
+    lines = [field_line(path, field)]
+    if item is not None:
+        lines += [field_line(f"{path}[].{key}", f).replace("  ", "    ", 1) for key, f in item.model_fields.items()]
+    return lines
 
 
 def field_line(path: str, field: FieldInfo) -> str:
@@ -35,7 +57,8 @@ def field_line(path: str, field: FieldInfo) -> str:
         f"{sign} {getattr(m, key)}" for m in field.metadata for key, sign in _BOUNDS.items() if hasattr(m, key)
     )
     about = (f"({bounds}) " if bounds else "") + (f"— {field.description}" if field.description else "")
-    return f"  {path}: {kind} = {field.default!r} {about}".rstrip()
+    default = "(required)" if field.is_required() else f"= {field.default!r}"
+    return f"  {path}: {kind} {default} {about}".rstrip()
 
 
 def objective_lines(name: str) -> list[str]:
@@ -55,7 +78,7 @@ def section_lines(section: str) -> list[str]:
     about = (cls.__doc__ or "").strip().splitlines()[:1]
     return [
         f"{section}:" + (f" {about[0]}" if about else ""),
-        *(field_line(f"{section}.{k}", f) for k, f in cls.model_fields.items()),
+        *(line for k, f in cls.model_fields.items() for line in field_lines(f"{section}.{k}", f)),
     ]
 
 

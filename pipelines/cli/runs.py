@@ -17,9 +17,24 @@ from rich.table import Table
 from mdc.config import DEFAULT_CONFIG, derive, load_config
 from mdc.data import storage
 from mdc.registry import OBJECTIVES
-from pipelines.commands.search_space import load_space
+from pipelines.commands.search_space import load_space, ranking
 from pipelines.infra import ray_connection, ray_output, run_inputs
 from pipelines.infra.console import VERBOSE_OPTION, Settings, console, report_failures, user_errors
+
+
+def suite():
+    """mdc.evaluation.suite: the evaluation stack (torch, torchvision) takes seconds to import, so
+    it comes in after the arguments are read."""
+    from mdc.evaluation import suite as evaluation_suite  # seconds to import: only for a command that runs
+
+    return evaluation_suite
+
+
+def resolved(cfg):
+    """The config with its eval section concrete (the training data's defaults, absolute folders),
+    checked: a missing probe or an unreachable benchmark is one line before Ray starts."""
+    return suite().resolve_section(cfg)
+
 
 MAX_CONCURRENT_HELP = "runs at once (default: as many as the cluster's free CPUs/GPUs hold; 1 on a 2-core machine)"
 
@@ -56,7 +71,7 @@ def train(
         if value is not None:
             overrides.append(f"{key}={value}")
     with user_errors():
-        cfg = run_inputs.absolute_paths(load_config(config, overrides))
+        cfg = resolved(run_inputs.absolute_paths(load_config(config, overrides)))
         run_inputs.check_inputs(cfg)
         from pipelines.run.driver import run_training  # the Ray program: seconds to import, so after the checks
 
@@ -84,7 +99,8 @@ def tune(
     Settings.verbose = verbose
     with user_errors():
         base = run_inputs.absolute_paths(load_config(config, list(ctx.args)))
-        search_space = load_space(space, base)
+        base = resolved(base)
+        search_space = ranking(load_space(space, base), base)
         run_inputs.check_inputs(base)
         from pipelines.commands.tune import (  # the Ray program: seconds to import, so after the checks
             run_sweep,
@@ -121,20 +137,23 @@ def compare(
     ctx: typer.Context,
     objectives: str = typer.Option(",".join(OBJECTIVES), help="comma-separated objectives"),
     workdir: Path = typer.Option(Path("mdc-compare"), help="runs, MLflow, the shapes data and the tables"),
-    data: Optional[str] = typer.Option(None, help="shapes-like shards (default: generate shapes in WORKDIR)"),
+    data: Optional[str] = typer.Option(
+        None,
+        help="training shards (an img2dataset folder, say), or a dataset `mdc data` wrote (its train/); "
+        "default: shapes generated in WORKDIR",
+    ),
     config: Path = typer.Option(DEFAULT_CONFIG, help="base YAML run config (its data paths are replaced)"),
     steps: Optional[int] = None,
     name: Optional[str] = None,
-    caption_length: int = typer.Option(10, min=1, help="caption length N' for BLEU-4 / CIDEr-D"),
-    limit: int = typer.Option(200, min=1, help="images per evaluation (captions, each compositionality subset)"),
-    samples: int = typer.Option(8, min=1, help="Monte Carlo draws per caption score"),
     max_concurrent: Optional[int] = typer.Option(None, min=1, help=MAX_CONCURRENT_HELP),
     address: Optional[str] = None,
     verbose: bool = VERBOSE_OPTION,
 ):
-    """Train the objectives at one budget on one dataset; one table of probe and compositionality
-    accuracy, BLEU-4/CIDEr-D, captions/s and training images/s (console, compare.md/.html, MLflow).
-    Extra arguments are `section.key=value` overrides of the shared config."""
+    """Train the objectives at one budget on one dataset; judge each on the config's eval section
+    (eval.probes, eval.compositionality, eval.captions; by default the labels, pairs and val split
+    of a dataset `mdc data` wrote); one table of probe and compositionality accuracy, BLEU-4/CIDEr-D,
+    captions/s and training images/s (console, compare.md/.html, MLflow). Extra arguments are
+    `section.key=value` overrides of the shared config (eval.samples=4, eval.limit=100, ...)."""
     Settings.verbose = verbose
     names = [o.strip() for o in objectives.split(",") if o.strip()]
     overrides = [*ctx.args, *([f"train.steps={steps}"] if steps else [])]
@@ -142,26 +161,21 @@ def compare(
         base = load_config(config, overrides)
         for objective in names:  # every objective's config must be valid before anything trains
             derive(base, {"objective.name": objective})
+        suite().check_section(base.eval, base.data.endpoint_url)  # the sets it names, before Ray starts
         if data:
             data = run_inputs.absolute_uri(data)
-            storage.check_reachable(storage.join(data, "train"), base.data.endpoint_url)
+            storage.check_reachable(data, base.data.endpoint_url)
+            train = suite().training_split(data, base.data.endpoint_url)
+            probe_cfg = resolved(derive(base, {"data.train_uri": train, "data.val_uri": None}))  # what judges the runs
+            suite().require(probe_cfg, "probes", "mdc compare (its table's first column)")
         workdir = workdir.resolve()
         from pipelines.commands.compare import run_compare  # the Ray program: seconds to import, so after the checks
 
         with ray_connection.ray_session(workdir / "ray.log", address, verbose):
-            run_compare(
-                names,
-                workdir,
-                data,
-                config,
-                overrides,
-                name,
-                caption_length,
-                limit,
-                samples,
-                console=console,
-                max_concurrent=max_concurrent,
+            rows, failures = run_compare(
+                names, workdir, data, config, overrides, name, console=console, max_concurrent=max_concurrent
             )
+    report_failures("objective", len(names), [f.as_tuple() for f in failures])
 
 
 def scaling(
@@ -171,22 +185,17 @@ def scaling(
     name: str = typer.Option(..., help="experiment name: the parent MLflow run; runs are NAME-SIZE"),
     config: Path = typer.Option(DEFAULT_CONFIG, help="YAML run config shared by every size"),
     total: Optional[int] = typer.Option(None, min=1, help="pairs in the split (default: from manifest.json)"),
-    probe_dataset: str = typer.Option(
-        "shapes",
-        help="kind of the probe's labelled dataset (shapes, tuxpaint: shards, also s3://; others: a local root)",
-    ),
-    probe_data: Optional[str] = typer.Option(
-        None, help="root of the probe's dataset (default: the dataset that holds --data)"
-    ),
     storage_uri: Optional[str] = typer.Option(None, "--storage", help="checkpoint storage URI (storage_uri)"),
     mlflow_uri: Optional[str] = None,
     max_concurrent: Optional[int] = typer.Option(None, min=1, help=MAX_CONCURRENT_HELP),
     address: Optional[str] = typer.Option(None, help="Ray cluster address; default: running or local"),
     verbose: bool = VERBOSE_OPTION,
 ):
-    """Dataset scaling: one model per nested subset size, the same steps each, probed; a size with a
-    stored result is skipped. Extra arguments are `section.key=value` overrides; the validation split
-    is the `val` beside --data when the manifest lists one, unless `data.val_uri=` is given."""
+    """Dataset scaling: one model per nested subset size, the same steps each, judged on the config's
+    eval section (the curve: its first probe's accuracy; by default the labels of a dataset `mdc data`
+    wrote, else name one: 'eval.probes=[{dataset: cifar10, root: DIR}]'); a size with a stored result
+    is skipped. Extra arguments are `section.key=value` overrides; the validation split is the `val`
+    beside --data when the manifest lists one, unless `data.val_uri=` is given."""
     from pipelines.commands import scaling as experiment  # the Ray program: seconds to import
 
     Settings.verbose = verbose
@@ -196,20 +205,20 @@ def scaling(
         overrides += [f"{k}={v}" for k, v in {"storage_uri": storage_uri, "mlflow_uri": mlflow_uri}.items() if v]
         base = run_inputs.absolute_paths(load_config(config, overrides + list(ctx.args)))
         size_list = experiment.parse_sizes(sizes)
-        manifest_uri, manifest = experiment.read_dataset_manifest(experiment.parent_uri(data), base.data.endpoint_url)
+        root = suite().dataset_root(data)
+        manifest_uri, manifest = experiment.read_dataset_manifest(root, base.data.endpoint_url)
         total = total or experiment.split_total(data, manifest_uri, manifest, base.data.endpoint_url)
         for size in size_list:
             experiment.subset_fraction(size, total)
-        probe_root = run_inputs.absolute_uri(probe_data) or experiment.parent_uri(data)
-        probe = experiment.Probe(probe_dataset, probe_root, base.data.endpoint_url)
-        probe.check()
         if "val" in manifest.get("splits", {}) and not any(arg.startswith("data.val_uri=") for arg in ctx.args):
-            base = derive(base, {"data.val_uri": storage.join(experiment.parent_uri(data), "val")})
+            base = derive(base, {"data.val_uri": storage.join(root, "val")})
+        base = resolved(base)
+        suite().require(base, "probes", "mdc scaling (its curve is the first probe's accuracy)")
         run_inputs.check_inputs(base)
         log = (Path(base.storage_uri) if "://" not in base.storage_uri else Path("mdc-logs")).resolve() / name
         with ray_connection.ray_session(log / "ray.log", address, verbose):
-            rows, failures = experiment.run_scaling(base, size_list, total, name, probe, max_concurrent)
-    report_failures("size", len(size_list), failures)
+            rows, failures = experiment.run_scaling(base, size_list, total, name, max_concurrent)
+    report_failures("size", len(size_list), [f.as_tuple() for f in failures])
 
 
 def print_claims(claims: list[dict]) -> None:
@@ -246,10 +255,15 @@ def study(
     with user_errors(studies.StudyError):
         parsed = studies.load_plan(plan)
         directory = (out or Path("runs") / f"study-{parsed.name}").resolve()
-        studies.run_configs(parsed, plan, directory)
+        configs = studies.run_configs(parsed, plan, directory)
         studies.check_data(parsed)
+        studies.check_sets(configs, directory)
         with ray_connection.ray_session(directory / "ray.log", address, verbose):
-            claims = studies.run_study(parsed, plan, directory, max_concurrent)
+            claims, failures = studies.run_study(parsed, plan, directory, max_concurrent)
+    report_failures("run", len(parsed.arms) * len(parsed.seeds), [f.as_tuple() for f in failures])
+    if failures:
+        console.print("the claims are judged once every run has finished: launch the study again", highlight=False)
+        raise typer.Exit(1)
     print_claims(claims)
     console.print(f"report: {directory / 'results.md'}, {directory / 'study.json'}, {directory / 'claims.png'}")
 

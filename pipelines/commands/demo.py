@@ -1,8 +1,10 @@
 """`mdc demo`: the whole product on one machine with nothing running beforehand.
 
 local S3 server (moto, subprocess) → shapes shards into a bucket → 2-worker Ray Train run reading
-from the bucket → MLflow in SQLite under the work folder (the encoder registered there) → a summary
-with captions beside references, and the encoder as a timm folder in WORKDIR/encoder.
+from the bucket → MLflow in SQLite under the work folder (the encoder registered there) → the run
+judged on its eval section as every command judges an encoder (mdc/evaluation/suite.py: the probe
+of the shapes labels against random init, ARO-format compositionality, held-out captions) → a
+summary with captions beside references, and the encoder as a timm folder in WORKDIR/encoder.
 
 The demo's model has no caption-length head (`model.predict_length`): it trains the paper's MDC,
 which writes at a fixed N'; the head is DDCap's switch, and turning it on would change what the
@@ -18,20 +20,16 @@ from pathlib import Path
 from rich.table import Table
 
 from mdc import export
-from mdc.config import DEFAULT_CONFIG, load_config
-from mdc.data import shards
+from mdc.config import DEFAULT_CONFIG, derive, load_config
 from mdc.data.shapes import write_shapes_dataset
-from mdc.evaluation import captioning
-from mdc.evaluation.compositionality import evaluate_shapes
-from mdc.evaluation.probe import probe_shapes, random_init
-from mdc.registry import OBJECTIVES
-from mdc.training.checkpoint import load_pretrained
+from mdc.evaluation import suite
 from pipelines.infra import tracking
 from pipelines.infra.console import console
 from pipelines.infra.local_s3 import create_bucket, local_s3_server
 from pipelines.infra.ray_connection import ray_session
 from pipelines.run import model_registry, reports
 from pipelines.run.driver import run_training
+from pipelines.run.evaluation import evaluate_run
 
 BUCKET = "mdc-demo"
 # Shapes images in the bucket (~2.4 passes of the demo's 600 steps); why 9,000: docs/design.md §11, 'Demo dataset size'
@@ -40,37 +38,17 @@ DEMO_IMAGES = 9000
 # 20 does not); the shapes captions are 4 to 12 tokens long.
 CAPTION_LENGTHS = (10, 15)
 HELD_OUT = 64  # held-out images captioned and scored (the console shows the first 8, the report all)
+# The demo's eval section: the probe of the shapes labels (the default on `mdc data` data), the two
+# ARO-format subsets, captions of the held-out split; 4 Monte Carlo draws of 100 items a subset.
+DEMO_EVAL = [
+    "eval.samples=4",
+    "eval.limit=100",
+    "eval.compositionality=[{benchmark: shapes, subsets: [vg_relation, vg_attribution]}]",
+    f"eval.captions=[{{lengths: [{', '.join(map(str, CAPTION_LENGTHS))}], limit: {HELD_OUT}}}]",
+]
 # Ray Data's advice when an operator gets fewer input blocks than its task concurrency cap (the demo's
 # few shards): for tuning big pipelines, two lines of noise on the demo's console
 RAY_DATA_CONCURRENCY_WARNING = r"The maximum number of concurrent tasks"
-
-
-def caption_heldout(checkpoint_dir: str, data_uri: str, endpoint_url: str | None, n: int = HELD_OUT):
-    """(images, result) of the first `n` distinct held-out images captioned at the fixed N' of
-    CAPTION_LENGTHS (the model is not told the reference's length), with BLEU-4 and CIDEr-D per N';
-    (images, None) for a contrastive model, which writes no captions."""
-    model, cfg = load_pretrained(checkpoint_dir)
-    images = captioning.group_by_image(shards.read_shards(data_uri, endpoint_url), n)
-    if OBJECTIVES[cfg.objective.name].write is None:
-        return images, None
-    lengths = (*CAPTION_LENGTHS, "predicted") if cfg.model.predict_length else CAPTION_LENGTHS
-    return images, captioning.evaluate_captions(model, cfg.objective.name, images, lengths)
-
-
-def evaluate_demo_model(checkpoint_dir: str, data_uri: str, endpoint_url: str) -> dict:
-    """Linear probe on the held-out shapes labels (against the same architecture at random init)
-    and ARO-style compositionality on the shapes pairs, scored by the objective's own scorer."""
-    model, cfg = load_pretrained(checkpoint_dir)
-    probe = probe_shapes(model, data_uri, endpoint_url, baseline=random_init(cfg))
-    comp = evaluate_shapes(model, cfg.objective.name, data_uri, endpoint_url, samples=4, limit=100, benchmarks=("aro",))
-    return {
-        "probe_accuracy": probe["accuracy"],
-        "probe_random_init_accuracy": probe["random_init_accuracy"],
-        "compositionality_scorer": comp["scorer"],
-        "compositionality": comp["accuracy"],
-        "compositionality_blind": comp["blind_accuracy"],
-        "compositionality_text_biased": comp["text_biased"],
-    }
 
 
 def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), verbose: bool = False) -> dict:
@@ -86,9 +64,12 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
                 f"data.endpoint_url={endpoint}",
                 f"storage_uri={workdir / 'checkpoints'}",
                 f"mlflow_uri=sqlite:///{workdir / 'mlflow.db'}",
+                *DEMO_EVAL,
                 *overrides,
             ],
         )
+        if cfg.model.predict_length:  # also at the length head's N'
+            cfg = derive(cfg, {"eval.captions": [{"lengths": [*CAPTION_LENGTHS, "predicted"], "limit": HELD_OUT}]})
         console.print(f"[bold]local S3 server[/bold] {endpoint}; writing {num} shapes images to {data_uri}")
         create_bucket(endpoint, BUCKET)
         write_shapes_dataset(data_uri, num=num, seed=cfg.train.seed, endpoint_url=endpoint)
@@ -99,9 +80,10 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
             f"captioning {HELD_OUT} held-out images at N' = {', '.join(map(str, CAPTION_LENGTHS))}, "
             "probing the encoder, scoring compositionality"
         )
-        images, captions = caption_heldout(result.checkpoint_uri, f"{data_uri}/val", endpoint)
-        evaluation = evaluate_demo_model(result.checkpoint_uri, data_uri, endpoint)
-        encoder, registered = export_demo_encoder(workdir, cfg, result, evaluation)
+        evaluation = evaluate_run(cfg, result)
+        encoder, registered = export_demo_encoder(workdir, cfg, result, evaluation.metrics)
+    name = suite.caption_set_name(cfg.data.val_uri)
+    captions = evaluation.details.get(f"{suite.PREFIX}/captions/{name}")
 
     summary = {
         "run_name": result.run_name,
@@ -113,11 +95,11 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
         "mlflow_uri": cfg.mlflow_uri,
         "encoder": str(encoder),
         "registered_model": registered,
-        **evaluation,
+        "metrics": evaluation.metrics,
         "captions": captions,
     }
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    report = write_report(workdir, cfg, result, evaluation, images, captions)
+    report = write_report(workdir, cfg, result, evaluation.metrics, evaluation.images.get(name, []), captions)
     print_results(summary, evaluation, captions, report, cfg.mlflow_uri, workdir)
     return summary
 
@@ -129,31 +111,48 @@ def lengths_text(lengths: list[str]) -> str:
     return f"the paper's fixed lengths N' = {', '.join(fixed)}{head}"
 
 
-def export_demo_encoder(workdir: Path, cfg, result, evaluation: dict) -> tuple[Path, str | None]:
-    """The trained encoder as a timm folder in WORKDIR/encoder, its card holding the demo's figures,
-    which also become the tags of the version the run registered; returns (folder, that version)."""
-    macro = sum(evaluation["compositionality"].values()) / len(evaluation["compositionality"])
-    figures = {"probe": evaluation["probe_accuracy"], "compositionality": macro}
-    facts = {
-        "MLflow run": result.mlflow_run_id,
-        "checkpoint": result.checkpoint_uri,
-        "linear probe, held-out shapes": evaluation["probe_accuracy"],
-        "the same at random init": evaluation["probe_random_init_accuracy"],
-        **{
-            f"compositionality {k} ({evaluation['compositionality_scorer']})": v
-            for k, v in evaluation["compositionality"].items()
-        },
-    }
+def export_demo_encoder(workdir: Path, cfg, result, metrics: dict) -> tuple[Path, str | None]:
+    """The trained encoder as a timm folder in WORKDIR/encoder, its card holding the run's headline
+    figures (which the evaluation also put on the tags of the version the run registered);
+    returns (folder, that version)."""
+    facts = {"MLflow run": result.mlflow_run_id, "checkpoint": result.checkpoint_uri, **suite.headline(metrics)}
     folder = export.export_checkpoint(
         result.checkpoint_uri, workdir / "encoder", facts, endpoint_url=cfg.data.endpoint_url
     )
-    registered = model_registry.tag_figures(
-        tracking.absolute_tracking_uri(cfg.mlflow_uri), result.mlflow_run_id, figures
+    return folder, model_registry.tag_figures(
+        tracking.absolute_tracking_uri(cfg.mlflow_uri), result.mlflow_run_id, metrics
     )
-    return folder, registered
 
 
-def print_results(summary: dict, evaluation: dict, captions: dict | None, report: Path, mlflow_uri: str, workdir: Path):
+def print_figures(evaluation) -> None:
+    """The probe against random init and each compositionality subset beside its blind accuracy,
+    each named by its key."""
+    metrics = evaluation.metrics
+    for spec_key in (k for k in metrics if k.startswith(f"{suite.PREFIX}/probe/") and k.endswith("/accuracy")):
+        name = spec_key.split("/")[2]
+        base = metrics.get(suite.probe_key(name, "random_init_accuracy"))
+        console.print(
+            f"linear probe {spec_key} (shape of the first object, held out): {metrics[spec_key]:.3f}"
+            + (f" vs {base:.3f} at random init" if base is not None else ""),
+            highlight=False,
+        )
+    for key, details in evaluation.details.items():
+        if not key.startswith(f"{suite.PREFIX}/compositionality/"):
+            continue
+        name = key.split("/")[2]
+        console.print(
+            f"compositionality {suite.compositionality_key(name, 'SUBSET')} ({details['scorer']}; blind: another "
+            "item's image): "
+            + ", ".join(
+                f"{subset} {accuracy:.3f} (blind {details['blind_accuracy'][subset]:.3f}"
+                + (", text-biased)" if subset in details["text_biased"] else ")")
+                for subset, accuracy in details["accuracy"].items()
+            ),
+            highlight=False,
+        )
+
+
+def print_results(summary: dict, evaluation, captions: dict | None, report: Path, mlflow_uri: str, workdir: Path):
     """The console's closing lines: held-out captions beside their references, then the figures."""
     if captions:
         lengths = list(captions["lengths"])
@@ -178,18 +177,7 @@ def print_results(summary: dict, evaluation: dict, captions: dict | None, report
         f"final loss {summary['final_loss']:.4f}, val loss {summary['val_loss']:.4f}, "
         f"skipped {summary['skipped_records'] or 'none'}"
     )
-    console.print(
-        f"linear probe (shape of the first object, held out): {evaluation['probe_accuracy']:.3f} "
-        f"vs {evaluation['probe_random_init_accuracy']:.3f} at random init"
-    )
-    console.print(
-        f"compositionality ({evaluation['compositionality_scorer']}; blind: another item's image): "
-        + ", ".join(
-            f"{k} {v:.3f} (blind {evaluation['compositionality_blind'][k]:.3f}"
-            + (", text-biased)" if k in evaluation["compositionality_text_biased"] else ")")
-            for k, v in evaluation["compositionality"].items()
-        )
-    )
+    print_figures(evaluation)
     console.print(
         f"report: {report}\ncheckpoint: {summary['checkpoint']}\n"
         f"MLflow: mlflow ui --backend-store-uri {mlflow_uri} (run {summary['mlflow_run_id']})\n"
@@ -202,16 +190,16 @@ def print_results(summary: dict, evaluation: dict, captions: dict | None, report
     )
 
 
-def write_report(workdir: Path, cfg, result, evaluation: dict, images, captions: dict | None) -> Path:
+def write_report(workdir: Path, cfg, result, metrics: dict, images, captions: dict | None) -> Path:
     """report.html (and curves.png) in the work folder, also an artifact of the training run: the
-    loss curves, the probe and compositionality tables, the held-out images beside their captions."""
+    loss curves, the figures under their keys, the held-out images beside their captions."""
     tracking_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
     curves = reports.curves_png(
         tracking.metric_history(tracking_uri, result.mlflow_run_id, reports.CURVES),
         workdir / "curves.png",
         f"{cfg.name}: {cfg.train.steps} steps, global batch {cfg.global_batch}",
     )
-    online = tracking.metric_history(tracking_uri, result.mlflow_run_id, reports.ONLINE_CURVES)
+    online = reports.online_curves(tracking_uri, result.mlflow_run_id)
     sections = [("Training", reports.image_html(curves, "training and validation loss"))]
     if online:  # evaluated during training (eval.probe_every, eval.compositionality_every)
         during = reports.curves_png(
@@ -221,7 +209,7 @@ def write_report(workdir: Path, cfg, result, evaluation: dict, images, captions:
             "accuracy",
         )
         sections.append(("Probe during training", reports.image_html(during, "online probe and compositionality")))
-    sections.append(("Linear probe and compositionality", reports.results_html(evaluation)))
+    sections.append(("The evaluation", reports.results_html(metrics)))
     if captions:
         sections.append(
             (

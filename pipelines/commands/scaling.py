@@ -6,38 +6,34 @@ is the same number of steps for every size (`train.steps`), so every model sees 
 pairs — steps × global batch, as in the paper — and a small subset is simply repeated
 for more epochs; only the number of distinct pairs changes along the curve.
 
-The run is idempotent, so a schedule can start it again and again: a size whose `results.json`
-exists beside its checkpoints (STORAGE/NAME-SIZE/results.json, written last) is neither trained nor
-probed again, and a size that was interrupted resumes from its last checkpoint (same run name). The
-curve (probe accuracy against subset size) and the table go to MLflow as artifacts of one parent
-run NAME, whose children are the per-size training runs.
+Every model is judged on the run config's eval section (mdc/evaluation/suite.py), as every command
+judges an encoder; the curve is its first probe's accuracy (eval/probe/NAME/accuracy) against the
+subset size. The run is idempotent, so a schedule can start it again and again: a size whose
+`results.json` exists beside its checkpoints (STORAGE/NAME-SIZE/results.json, written last) is
+neither trained nor judged again, and a size that was interrupted resumes from its last checkpoint
+(same run name). The curve and the table go to MLflow as artifacts of one parent run NAME, whose
+children are the per-size training runs (pipelines/commands/experiment.py).
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import posixpath
 import tempfile
-import traceback
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-import pyarrow.fs as pafs
-
 from mdc.config import RunConfig, build_config
 from mdc.data import shards, storage
-from mdc.evaluation import probe, readers
-from mdc.training.checkpoint import load_pretrained
-from pipelines.infra import progress, tracking
-from pipelines.infra.console import UserError, console, first_line_of
-from pipelines.run import concurrency, model_registry, reports
-from pipelines.run.driver import run_training
+from mdc.evaluation import suite
+from pipelines.commands import experiment
+from pipelines.infra import tracking
+from pipelines.infra.console import UserError, console
+from pipelines.run import model_registry, reports
 
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9}
-RESULTS, ERROR = "results.json", "error.txt"
+RESULTS = "results.json"
 CURVE, TABLE_CSV, TABLE_MD = "scaling_curve.png", "scaling.csv", "scaling.md"
-COLUMNS = ("size", "run_name", "fraction", "steps", "pairs_seen", "probe_accuracy", "mlflow_run_id", "checkpoint_uri")
+COLUMNS = ("size", "run_name", "fraction", "steps", "pairs_seen", "figure", "value", "mlflow_run_id", "checkpoint")
 
 
 class ScalingError(UserError):
@@ -67,10 +63,6 @@ def size_label(size: int) -> str:
         if size % scale == 0:
             return f"{size // scale}{suffix}"
     return str(size)
-
-
-def parent_uri(uri: str) -> str:
-    return posixpath.dirname(uri.rstrip("/")) if storage.is_s3(uri) else str(Path(uri).resolve().parent)
 
 
 def read_dataset_manifest(root: str, endpoint_url: str | None = None) -> tuple[str, dict]:
@@ -110,40 +102,6 @@ def subset_fraction(size: int, total: int) -> float:
     return size / total
 
 
-def read_result(uri: str, endpoint_url: str | None) -> dict | None:
-    """The stored result of a finished size, or None (an unreachable store raises, never retrains)."""
-    fs, path = storage.open_fs(uri, endpoint_url)
-    if fs.get_file_info(path).type == pafs.FileType.NotFound:
-        return None
-    return json.loads(storage.read_bytes(uri, endpoint_url))
-
-
-class Probe:
-    """Linear probe of exported checkpoints on one labelled dataset, read once on first use."""
-
-    def __init__(self, dataset: str, root: str, endpoint_url: str | None):
-        self.dataset, self.root, self.endpoint_url, self.splits = dataset, root, endpoint_url, None
-
-    def check(self) -> None:
-        """Fail before any training if the probe dataset cannot be used."""
-        if self.dataset not in readers.dataset_kinds():
-            raise ScalingError(f"--probe-dataset {self.dataset!r}: expected one of {readers.dataset_kinds()}")
-        if self.dataset in readers.SHARD_DATASETS:
-            uri, manifest = read_dataset_manifest(self.root, self.endpoint_url)
-            if not manifest.get("class_names"):
-                raise ScalingError(
-                    f"{uri}: no field class_names (or no such file): --probe-data must be a "
-                    "labelled dataset written by `mdc data shapes|tuxpaint`"
-                )
-
-    def __call__(self, checkpoint_uri: str) -> float:
-        if self.splits is None:
-            self.splits = [readers.read_split(self.dataset, self.root, s, self.endpoint_url) for s in ("train", "test")]
-        model, _ = load_pretrained(checkpoint_uri, "cpu", self.endpoint_url)
-        result = probe.linear_probe(*self.splits, lambda split: probe.extract_features(model, split.sources))
-        return result["accuracy"]
-
-
 def size_config(base: RunConfig, name: str, size: int, total: int) -> RunConfig:
     raw = base.model_dump()
     raw["name"] = f"{name}-{size_label(size)}"
@@ -155,10 +113,31 @@ def pairs_seen(cfg: RunConfig) -> int:
     return cfg.train.steps * cfg.global_batch
 
 
+def curve_key(cfg: RunConfig) -> str:
+    """The figure of the curve: the eval section's first probe's accuracy."""
+    return suite.probe_key(cfg.eval.probes[0].key)
+
+
+def table_row(cfg: RunConfig, size: int, result: dict) -> dict:
+    """One size's line of the table."""
+    key = curve_key(cfg)
+    return {
+        "size": size,
+        "run_name": cfg.name,
+        "fraction": cfg.data.subset_fraction,
+        "steps": cfg.train.steps,
+        "pairs_seen": pairs_seen(cfg),
+        "figure": key,
+        "value": result["metrics"][key],
+        "mlflow_run_id": result["mlflow_run_id"],
+        "checkpoint": result["checkpoint"],
+    }
+
+
 def write_report(rows: list[dict], directory: Path, title: str) -> list[Path]:
     """The curve (PNG) and the table (CSV, Markdown) of the sizes done so far."""
     table = reports.markdown_table(
-        COLUMNS[:6],
+        COLUMNS[:7],
         [
             [
                 str(r["size"]),
@@ -166,68 +145,27 @@ def write_report(rows: list[dict], directory: Path, title: str) -> list[Path]:
                 f"{r['fraction']:.4f}",
                 str(r["steps"]),
                 str(r["pairs_seen"]),
-                f"{r['probe_accuracy']:.4f}",
+                r["figure"],
+                f"{r['value']:.4f}",
             ]
             for r in rows
         ],
     )
     (directory / TABLE_MD).write_text(title + "\n\n" + table)
     return [
-        reports.scaling_png([r["size"] for r in rows], [r["probe_accuracy"] for r in rows], directory / CURVE, title),
+        reports.scaling_png([r["size"] for r in rows], [r["value"] for r in rows], directory / CURVE, title),
         reports.write_csv(directory / TABLE_CSV, COLUMNS, rows),
         directory / TABLE_MD,
     ]
 
 
-def result_row(cfg: RunConfig, size: int, summary, accuracy: float) -> dict:
-    """One size's line of the table, also its results file: what a relaunch reads instead of training."""
-    return {
-        "size": size,
-        "run_name": cfg.name,
-        "fraction": cfg.data.subset_fraction,
-        "steps": cfg.train.steps,
-        "pairs_seen": pairs_seen(cfg),
-        "probe_accuracy": accuracy,
-        "mlflow_run_id": summary.mlflow_run_id,
-        "checkpoint_uri": summary.checkpoint_uri,
-    }
-
-
-def train_size(cfg: RunConfig, size: int, parent: str, probe: Probe, channel=None) -> dict | tuple[str, str, str]:
-    """One size trained and probed: its row, also written to its results file; or, when it failed,
-    (run name, error line, where its traceback is)."""
-    endpoint = cfg.data.endpoint_url
-    mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
-    # Created here with the parent tag; run_training finds it by name and logs into it.
-    tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id=parent)
-    try:
-        summary = run_training(cfg, channel=channel)
-        with concurrency.serialized():  # probes run here, in the driver, one at a time
-            accuracy = probe(summary.checkpoint_uri)
-    except SystemError:
-        raise  # how Ray passes on an interrupt (Ctrl-C, a timeout) that came while it waited: stop
-    except Exception as err:
-        error_uri = storage.join(cfg.storage_uri, cfg.name, ERROR)
-        storage.write_bytes(error_uri, traceback.format_exc().encode(), endpoint)
-        console.print(f"{cfg.name}: failed: {first_line_of(err)}", highlight=False)
-        return (cfg.name, first_line_of(err), error_uri)
-    tracking.log_metrics(mlflow_uri, summary.mlflow_run_id, {f"eval/probe/{probe.dataset}/accuracy": accuracy})
-    tracking.log_metrics(mlflow_uri, parent, {"scaling/probe_accuracy": accuracy}, step=size)
-    row = result_row(cfg, size, summary, accuracy)
-    storage.write_bytes(storage.join(cfg.storage_uri, cfg.name, RESULTS), json.dumps(row, indent=2).encode(), endpoint)
-    console.print(f"{cfg.name}: probe {accuracy:.4f}")
-    return row
-
-
 def run_scaling(
-    base: RunConfig, sizes: list[int], total: int, name: str, probe: Probe, max_concurrent: int | None = None
-) -> tuple[list[dict], list[tuple[str, str, str]]]:
-    """Train and probe every size that has no result yet, `max_concurrent` at once (default: what
-    fits the cluster); returns one row per finished size and the failed ones as (run name, error
-    line, where its traceback is). A failed size does not stop the others; its traceback goes to
-    STORAGE/NAME-SIZE/error.txt."""
-    endpoint = base.data.endpoint_url
-    mlflow_uri = tracking.absolute_tracking_uri(base.mlflow_uri)
+    base: RunConfig, sizes: list[int], total: int, name: str, max_concurrent: int | None = None
+) -> tuple[list[dict], list[experiment.Failure]]:
+    """Train and judge every size that has no result yet, `max_concurrent` at once (default: what
+    fits the cluster); returns one row per finished size and the failed ones. A failed size does
+    not stop the others; its traceback goes to STORAGE/NAME-SIZE/error.txt. `base`'s eval section
+    is concrete (suite.resolve_section) and has a probe (the curve's)."""
     params = {
         "sizes": ",".join(map(str, sizes)),
         "total": total,
@@ -235,37 +173,19 @@ def run_scaling(
         "subset_salt": base.data.subset_salt,
         "steps": base.train.steps,
         "pairs_seen": pairs_seen(base),
+        "figure": curve_key(base),
     }
-    parent = tracking.get_or_create_run(mlflow_uri, base.experiment, name, params)
-    rows, failures = [], []
-    try:
-        done, pending = {}, {}
-        for size in sizes:
-            cfg = size_config(base, name, size, total)
-            row = read_result(storage.join(cfg.storage_uri, cfg.name, RESULTS), endpoint)
-            if row is not None:
-                console.print(f"{cfg.name}: done before (probe {row['probe_accuracy']:.4f}), skipped")
-                done[size] = row
-            else:
-                pending[size] = cfg
-        n, pending = concurrency.plan_concurrency(pending, max_concurrent)
-        with progress.shared(n, console) as channel:
-            calls = {
-                size: functools.partial(train_size, cfg, size, parent, probe, channel) for size, cfg in pending.items()
-            }
-            outcomes = {**done, **concurrency.run_all(calls, n)}
-        for size in sizes:  # in size order, whatever the order of finishing
-            (failures if isinstance(outcomes[size], tuple) else rows).append(outcomes[size])
-        model_registry.alias_best(mlflow_uri, {r["run_name"]: r["probe_accuracy"] for r in rows})
-        title = f"{name}: {pairs_seen(base)} pairs seen per model ({base.train.steps} steps)"
+    configs = {size: size_config(base, name, size, total) for size in sizes}
+    with experiment.parent_run(base, name, params) as parent:
+        results = experiment.run_runs(
+            parent, configs, lambda cfg: storage.join(cfg.storage_uri, cfg.name, RESULTS), max_concurrent
+        )
+        rows = [table_row(configs[size], size, result) for size, result in results.items()]
+        model_registry.alias_best(parent.mlflow_uri, {r["run_name"]: r["value"] for r in rows})
+        title = f"{name}: {curve_key(base)}, {pairs_seen(base)} pairs seen per model ({base.train.steps} steps)"
         with tempfile.TemporaryDirectory() as directory:
-            tracking.log_artifacts(
-                mlflow_uri, parent, write_report(rows, Path(directory), title) if rows else [], "scaling"
-            )
+            paths = write_report(rows, Path(directory), title) if rows else []
+            tracking.log_artifacts(parent.mlflow_uri, parent.run_id, paths, "scaling")
             if rows:
                 console.print(Path(directory, TABLE_MD).read_text(), markup=False)
-    except BaseException:
-        tracking.finish_run(mlflow_uri, parent, "FAILED")
-        raise
-    tracking.finish_run(mlflow_uri, parent, "FAILED" if failures else "FINISHED")
-    return rows, failures
+    return rows, parent.failures

@@ -75,7 +75,11 @@ class SearchSpace(_Strict):
     num_samples: int = Field(1, ge=1)
     metric: str = "val_loss"
     mode: Literal["min", "max"] = "min"
-    rank_by: str = "probe_accuracy"
+    rank_by: str | None = Field(
+        None,
+        description="the figure that ranks the trials, a key of the eval section; default: the first probe's accuracy",
+    )
+    rank_mode: Literal["max", "min"] = Field("max", description="max: higher is better (accuracies); min: losses")
     params: dict[str, Distribution]
     base: dict[str, Any] = {}
     scheduler: Scheduler = Scheduler()
@@ -176,4 +180,17 @@ def load_space(path: str | Path, base_cfg: RunConfig) -> SearchSpace:
             build_config(apply_overrides(_copy(base), to_override_list(point)), source=str(path))
         except ConfigError as err:
             raise ConfigError(f"{path}: the point {point} is not a valid run config:\n{err}") from None
+    return space
+
+
+def ranking(space: SearchSpace, base_cfg: RunConfig) -> SearchSpace:
+    """The space with the figure that ranks its trials: `rank_by` as given (checked against the
+    base config's eval section, made concrete), else the first probe's accuracy; a sweep that
+    would rank by a probe and has none fails here, before any trial, naming eval.probes."""
+    from mdc.evaluation import suite  # the evaluation stack: seconds to import, only once a space is loaded
+
+    if space.rank_by is None:
+        suite.require(base_cfg, "probes", "mdc tune (trials are ranked by the first probe's accuracy)")
+        return space.model_copy(update={"rank_by": suite.probe_key(base_cfg.eval.probes[0].key)})
+    suite.check_figure(space.rank_by, base_cfg.eval, "rank_by")
     return space

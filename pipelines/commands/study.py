@@ -1,14 +1,16 @@
 """`mdc study --plan PLAN.yaml [--out DIR]`: claims measured over seeds, with paired differences.
 
 A plan (YAML, `Plan` below) names the datasets, the arms (each a set of config overrides on a shared
-budget), the seeds, the evaluations and the claims. Every arm × seed is one training run through the
-same Ray Train pipeline as `mdc train` (`pipelines.run.driver.run_training`), an MLflow child of the
-study's parent run, then evaluated in this process as `mdc compare` evaluates
-(`pipelines.commands.compare.evaluate_checkpoint`). A run's metrics go to OUT/runs/RUN/result.json, written
-last: launching the study again skips every finished run, and an interrupted one resumes from its
-last checkpoint (same run name).
+budget, `eval.*` keys included), the seeds and the claims. Every arm × seed is one training run through
+the same Ray Train pipeline as `mdc train`, an MLflow child of the study's parent run, then judged on
+its eval section as every command judges an encoder (mdc/evaluation/suite.py; a generated dataset
+gives the default section: a probe of its labels, its pairs, captions of its val split). A run's
+figures go to OUT/runs/RUN/result.json, written last: launching the study again skips every finished
+run, and an interrupted one resumes from its last checkpoint (same run name); a failed run is tried
+again, and the claims are judged once every run has finished (pipelines/commands/experiment.py).
 
-Each claim compares arm a with arm b on one metric. Seed s of both arms shares the seed (weights,
+Each claim compares arm a with arm b on one figure, named by its key (eval/probe/shapes/accuracy,
+eval/compositionality/shapes/vg_relation, eval/captions/shapes/N10/cider, loss, ...). Seed s of both arms shares the seed (weights,
 data order, noise), so the differences d_s = a_s − b_s are paired; the report gives their mean and
 the 95% Student-t interval mean ± t(0.975, n − 1) · sd(d) / √n over the n seeds. The verdict is
 `holds` when the interval lies on the expected side (`greater`: above 0; `less`: below 0;
@@ -18,7 +20,6 @@ Written to OUT as study.json, results.md and claims.png, and logged to the paren
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
@@ -36,12 +37,10 @@ from mdc.data import shards, tuxpaint
 from mdc.data.shapes import write_shapes_dataset
 from mdc.data.storage import join
 from mdc.data.tuxpaint import write_tuxpaint_dataset
-from mdc.evaluation import probe
-from mdc.registry import OBJECTIVES
-from pipelines.commands.compare import evaluate_checkpoint
-from pipelines.infra import progress, tracking
-from pipelines.run import concurrency, model_registry, reports
-from pipelines.run.driver import run_training
+from mdc.evaluation import suite
+from pipelines.commands import experiment
+from pipelines.infra import tracking
+from pipelines.run import model_registry, reports
 
 console = Console(soft_wrap=True)
 
@@ -61,15 +60,6 @@ CLAIM_FIELDS = (
     "ci_high",
     "verdict",
 )
-# Metrics a run reports (pipelines.commands.compare.evaluate_checkpoint plus the training summary), by pattern.
-RUN_METRICS = {
-    r"final_loss|val_loss|train_images_per_s": None,
-    r"probe_accuracy": "probe",
-    r"probe_random_init_accuracy|probe_gain": "probe_baseline",
-    r"compositionality_accuracy|compositionality_blind_accuracy": "compositionality",
-    r"(compositionality|blind)/(aro|sugarcrepe)/\w+": "compositionality",
-    r"captions/N(\d+)/(bleu4|cider|captions_per_s)": "captions",
-}
 
 
 class StudyError(ValueError):
@@ -82,14 +72,16 @@ class _Strict(BaseModel):
 
 class DatasetPlan(_Strict):
     """Where an arm's data comes from: generated shapes, Debian's Tux Paint stamps, or existing
-    shards (a dataset root with train/, val/ and, for compositionality, compositionality/)."""
+    shards (a training folder; the arms' eval section then names what judges them)."""
 
     kind: Literal["shapes", "tuxpaint", "shards"] = "shapes"
     num: int = Field(2000, ge=10, description="shapes: images to generate")
     max_objects: Literal[1, 2] = Field(
         2, description="shapes: 1 gives one shape per image and captions of 4 tokens (no compositionality pairs)"
     )
-    uri: str | None = Field(None, description="shards: the dataset root")
+    uri: str | None = Field(
+        None, description="shards: a training folder (img2dataset's, say), or a dataset `mdc data` wrote (its train/)"
+    )
 
     @property
     def has_pairs(self) -> bool:
@@ -102,18 +94,6 @@ class DatasetPlan(_Strict):
         if (self.kind == "shards") != (self.uri is not None):
             raise ValueError("uri is required for kind 'shards' and only for it")
         return self
-
-
-class Evaluations(_Strict):
-    probe: bool = True
-    probe_baseline: bool = Field(
-        False, description="also probe the arm's ViT at random init: probe_random_init_accuracy, probe_gain"
-    )
-    compositionality: bool = True
-    normalize: Literal["none", "token"] = "none"
-    caption_lengths: list[int] = Field(default_factory=lambda: [10], description="N' of the captions metrics")
-    limit: int = Field(200, ge=1, description="images per evaluation (captions, each compositionality subset)")
-    samples: int = Field(8, ge=1, description="Monte Carlo draws per caption score")
 
 
 class Claim(_Strict):
@@ -132,8 +112,18 @@ class Plan(_Strict):
     budget: dict[str, Any] = Field(default_factory=dict, description="overrides shared by every run")
     datasets: dict[str, DatasetPlan] = Field(default_factory=lambda: {"shapes": DatasetPlan()}, min_length=1)
     arms: dict[str, dict[str, Any]] = Field(min_length=2, description="overrides per arm; `data` names a dataset")
-    evaluations: Evaluations = Evaluations()
     claims: list[Claim] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and "evaluations" in raw:
+            raise ValueError(
+                "evaluations is now the runs' eval section: put eval.* keys in budget (eval.samples, eval.limit, "
+                "eval.random_init, eval.captions: [{lengths: [10]}], ...) and name figures by their keys "
+                "(eval/probe/shapes/accuracy; docs/studies.md)"
+            )
+        return raw
 
     @field_validator("seeds")
     @classmethod
@@ -158,26 +148,7 @@ class Plan(_Strict):
                     )
             if claim.arm_a == claim.arm_b:
                 raise ValueError(f"claims.{i}: arm_a and arm_b are both {claim.arm_a!r}")
-            self._check_metric(i, claim.metric)
         return self
-
-    def _check_metric(self, i: int, metric: str) -> None:
-        for pattern, evaluation in RUN_METRICS.items():
-            match = re.fullmatch(pattern, metric)
-            if match is None:
-                continue
-            if evaluation == "captions":
-                if int(match.group(1)) not in self.evaluations.caption_lengths:
-                    raise ValueError(
-                        f"claims.{i}.metric: {metric!r} needs {match.group(1)} in "
-                        f"evaluations.caption_lengths {self.evaluations.caption_lengths}"
-                    )
-            elif evaluation is not None and not getattr(self.evaluations, evaluation):
-                raise ValueError(f"claims.{i}.metric: {metric!r} needs evaluations.{evaluation}: true")
-            return
-        raise ValueError(
-            f"claims.{i}.metric: unknown metric {metric!r}; expected one of the patterns {list(RUN_METRICS)}"
-        )
 
 
 def _explain(err: ValidationError, source: str) -> StudyError:
@@ -216,49 +187,50 @@ def dataset_root(plan: Plan, arm: str, out: Path) -> str:
     return spec.uri if spec.kind == "shards" else str(out / "data" / name)
 
 
+def expected_manifest(spec: DatasetPlan) -> dict | None:
+    """What the manifest of a dataset the study generates will say (it is written when the study
+    starts): enough for the default eval section. None for existing shards: their own is read."""
+    if spec.kind == "shards":
+        return None
+    pairs = {"num_pairs": 1} if spec.has_pairs else {}
+    return {"dataset": spec.kind, "class_names": ["..."], "splits": {"train": {}, "val": {}}, "compositionality": pairs}
+
+
 def run_name(plan: Plan, arm: str, seed: int) -> str:
     return f"{plan.name}-{arm}-s{seed}"
 
 
+def arm_data(plan: Plan, arm: str, out: Path) -> dict[str, str | None]:
+    """The arm's training and validation splits: train/ and val/ of a dataset `mdc data` wrote (or
+    the study generates), else the shards folder itself and no validation split."""
+    root, spec = dataset_root(plan, arm, out), plan.datasets[arm_dataset(plan, arm)]
+    train = join(root, "train") if spec.kind != "shards" else suite.training_split(root)
+    return {"data.train_uri": train, "data.val_uri": join(root, "val") if train != root else None}
+
+
 def run_configs(plan: Plan, plan_path: Path, out: Path) -> dict[tuple[str, int], RunConfig]:
-    """Every (arm, seed)'s validated config: base config ← study paths ← budget ← arm ← seed.
-    A config error names the arm and the field, before anything runs."""
+    """Every (arm, seed)'s validated config, its eval section concrete: base config ← study paths
+    ← budget ← arm ← seed. A config error names the arm and the field, a claim's figure that an
+    arm does not measure names the claim, before anything runs."""
     base = Path(plan_path).parent / plan.config if plan.config else DEFAULT_CONFIG
     configs, base = {}, load_config(base)
     for arm, overrides in plan.arms.items():
         overrides = {k: v for k, v in overrides.items() if k != "data"}
-        root = dataset_root(plan, arm, out)
-        study = {
-            "storage_uri": str(out / "checkpoints"),
-            "mlflow_uri": f"sqlite:///{out / 'mlflow.db'}",
-            "data.train_uri": join(root, "train"),
-            "data.val_uri": join(root, "val"),
-        }
+        study = {"storage_uri": str(out / "checkpoints"), "mlflow_uri": f"sqlite:///{out / 'mlflow.db'}"}
+        manifest = expected_manifest(plan.datasets[arm_dataset(plan, arm)])
         for seed in plan.seeds:
-            items = {**study, **plan.budget, **overrides, "train.seed": seed, "name": run_name(plan, arm, seed)}
+            items = {**study, **arm_data(plan, arm, out), **plan.budget, **overrides}
+            items |= {"train.seed": seed, "name": run_name(plan, arm, seed)}
             try:
-                configs[arm, seed] = derive(base, items)
+                configs[arm, seed] = suite.resolve_section(derive(base, items), manifest)
             except ConfigError as err:
                 raise StudyError(f"arms.{arm} (seed {seed}): {err}") from None
     for i, claim in enumerate(plan.claims):
-        match = re.fullmatch(r"captions/N(\d+)/.*", claim.metric)
         for arm in filter(None, (claim.arm_a, claim.arm_b)):
-            cfg = configs[arm, plan.seeds[0]]
-            if (
-                claim.metric.startswith(("compositionality", "blind/"))
-                and not plan.datasets[arm_dataset(plan, arm)].has_pairs
-            ):
-                raise StudyError(
-                    f"claims.{i}.metric: arm {arm!r} trains on data with no compositionality pairs "
-                    f"(Tux Paint, or one-object shapes)"
-                )
-            if match and int(match.group(1)) > cfg.data.max_length:
-                raise StudyError(
-                    f"claims.{i}.metric: arm {arm!r} cannot write {match.group(1)}-token captions "
-                    f"(data.max_length {cfg.data.max_length})"
-                )
-            if match and OBJECTIVES[cfg.objective.name].write is None:
-                raise StudyError(f"claims.{i}.metric: arm {arm!r} is {cfg.objective.name!r}, which writes no captions")
+            try:
+                suite.check_figure(claim.metric, configs[arm, plan.seeds[0]].eval, f"claims.{i}.metric")
+            except ConfigError as err:
+                raise StudyError(f"{err} (arm {arm!r})") from None
     return configs
 
 
@@ -285,76 +257,29 @@ def check_data(plan: Plan) -> None:
             )
 
 
+def check_sets(configs: dict[tuple[str, int], RunConfig], out: Path) -> None:
+    """Fail before anything runs when a set the arms' eval sections name cannot be reached; the
+    datasets the study generates (under OUT/data) are written when it starts."""
+    generated = str(out / "data")
+    for (arm, seed), cfg in configs.items():
+        ev = cfg.eval.model_copy(
+            update={
+                field: [
+                    s
+                    for s in getattr(cfg.eval, field)
+                    if not str(getattr(s, "root", None) or s.uri).startswith(generated)
+                ]
+                for field in ("probes", "compositionality", "captions")
+            }
+        )
+        try:
+            suite.check_section(ev, cfg.data.endpoint_url)
+        except ConfigError as err:
+            raise StudyError(f"arms.{arm} (seed {seed}): {err}") from None
+
+
 def result_path(out: Path, cfg: RunConfig) -> Path:
     return out / "runs" / cfg.name / RESULT
-
-
-def train_and_evaluate(plan: Plan, arm: str, cfg: RunConfig, out: Path, parent: str, channel=None) -> dict:
-    """One run's metrics: from its result.json when it finished before, else trained and evaluated.
-    `channel`: the progress channel of runs that train at once (pipelines.infra.progress.shared)."""
-    path = result_path(out, cfg)
-    if path.is_file():
-        console.print(f"{cfg.name}: finished before, not rerun")
-        return json.loads(path.read_text())
-    console.print(f"[bold]{cfg.name}[/bold]: training {cfg.train.steps} steps")
-    summary = run_training(cfg, parent_run_id=parent, channel=channel)
-    ev = plan.evaluations
-    with concurrency.serialized():  # evaluations run here, in the driver, one at a time (torch's global seed)
-        metrics = evaluate_checkpoint(
-            summary.checkpoint_uri,
-            dataset_root(plan, arm, out),
-            cfg.data.endpoint_url,
-            ev.caption_lengths,
-            ev.limit,
-            ev.samples,
-            cfg.train.seed,
-            ev.normalize,
-            ev.probe,
-            ev.compositionality and plan.datasets[arm_dataset(plan, arm)].has_pairs,
-        )
-        if ev.probe_baseline:
-            metrics["probe_random_init_accuracy"] = random_init_probe(cfg, dataset_root(plan, arm, out))
-            metrics["probe_gain"] = metrics["probe_accuracy"] - metrics["probe_random_init_accuracy"]
-    metrics.update(
-        final_loss=summary.metrics["loss"],
-        val_loss=summary.metrics.get("val_loss"),
-        train_images_per_s=summary.metrics["images_per_s"],
-    )
-    numbers = {f"study/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
-    tracking.log_evaluation(cfg.mlflow_uri, numbers, [], run_id=summary.mlflow_run_id)
-    result = {
-        "arm": arm,
-        "seed": cfg.train.seed,
-        "run_name": cfg.name,
-        "checkpoint": summary.checkpoint_uri,
-        "mlflow_run_id": summary.mlflow_run_id,
-        "metrics": metrics,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))  # last: its presence means the run is done
-    return result
-
-
-def random_init_probe(cfg: RunConfig, data_uri: str) -> float:
-    """Probe accuracy of the run's architecture at random init (its seed): what training must beat.
-    Runs whose models are built alike (the registry's builder, the model section, the caption
-    length, a null image or not) with the same seed on the same data have the same random weights,
-    so they share one probe."""
-    key = (
-        id(OBJECTIVES[cfg.objective.name].build),
-        cfg.model.model_dump_json(),
-        cfg.data.max_length,
-        cfg.objective.null_image,
-        cfg.train.seed,
-        data_uri,
-    )
-    if key not in _RANDOM_INIT_PROBES:
-        model = probe.random_init(cfg, seed=cfg.train.seed)
-        _RANDOM_INIT_PROBES[key] = probe.probe_shapes(model, data_uri, cfg.data.endpoint_url)["accuracy"]
-    return _RANDOM_INIT_PROBES[key]
-
-
-_RANDOM_INIT_PROBES: dict[tuple, float] = {}
 
 
 # ------------------------------------------------------------------------------------ statistics
@@ -393,8 +318,8 @@ def claim_result(plan: Plan, claim: Claim, results: dict[tuple[str, int], dict])
             value = results[arm, seed]["metrics"].get(claim.metric)
             if value is None:
                 raise StudyError(
-                    f"claim {claim.name!r}: run {run_name(plan, arm, seed)} has no metric "
-                    f"{claim.metric!r} (its metrics: {sorted(results[arm, seed]['metrics'])})"
+                    f"claim {claim.name!r}: run {run_name(plan, arm, seed)} has no figure "
+                    f"{claim.metric!r} (its figures: {sorted(results[arm, seed]['metrics'])})"
                 )
             out.append(float(value))
         return out
@@ -452,59 +377,44 @@ def results_markdown(plan: Plan, claims: list[dict], wall_s: float) -> str:
     return "\n".join(lines) + "\n" + reports.markdown_table(columns, rows)
 
 
-def run_runs(plan: Plan, configs: dict, out: Path, parent: str, max_concurrent: int | None) -> dict:
-    """Every run's result, by (arm, seed): the finished ones read back, the others trained and
-    evaluated, `max_concurrent` at once (default: what the cluster's free resources fit)."""
-    pending = {key: cfg for key, cfg in configs.items() if not result_path(out, cfg).is_file()}
-    n, planned = concurrency.plan_concurrency(pending, max_concurrent)
-    configs = {**configs, **planned}
-    with progress.shared(n, console) as channel:
-        calls = {
-            key: functools.partial(train_and_evaluate, plan, key[0], cfg, out, parent, channel)
-            for key, cfg in configs.items()
-        }
-        return concurrency.run_all(calls, n)
+def write_report(plan: Plan, claims: list[dict], out: Path, wall_s: float) -> list[Path]:
+    """study.json, results.md and claims.png in OUT."""
+    summary = {
+        "plan": plan.name,
+        "confidence": CONFIDENCE,
+        "interval": "Student t over seed-paired differences",
+        "wall_s": wall_s,
+        "claims": claims,
+    }
+    (out / "study.json").write_text(json.dumps(summary, indent=2))
+    (out / "results.md").write_text(results_markdown(plan, claims, wall_s))
+    reports.claims_png(claims, out / "claims.png", CONFIDENCE)
+    return [out / "study.json", out / "results.md", out / "claims.png"]
 
 
-def run_study(plan: Plan, plan_path: Path, out: Path, max_concurrent: int | None = None) -> list[dict]:
-    """Every run that has no result yet (`max_concurrent` at once, default what fits the
-    cluster), then the claims; returns one dict per claim."""
+def run_study(
+    plan: Plan, plan_path: Path, out: Path, max_concurrent: int | None = None
+) -> tuple[list[dict], list[experiment.Failure]]:
+    """Every run that has no result yet (`max_concurrent` at once, default what fits the cluster),
+    then the claims, one dict each, once every run has finished; and the runs that failed."""
     tic = time.perf_counter()
     out = Path(out).resolve()
     configs = run_configs(plan, plan_path, out)
     check_data(plan)
     first = next(iter(configs.values()))
-    mlflow_uri = tracking.absolute_tracking_uri(first.mlflow_uri)
     out.mkdir(parents=True, exist_ok=True)
     prepare_data(plan, out)
-    parent = tracking.get_or_create_run(mlflow_uri, first.experiment, f"study-{plan.name}", plan.model_dump())
-    try:
-        results = run_runs(plan, configs, out, parent, max_concurrent)
-        model_registry.alias_best(
-            mlflow_uri, {r["run_name"]: r["metrics"].get("probe_accuracy") for r in results.values()}
-        )
-        claims = [claim_result(plan, claim, results) for claim in plan.claims]
-        wall_s = time.perf_counter() - tic
-        (out / "study.json").write_text(
-            json.dumps(
-                {
-                    "plan": plan.name,
-                    "confidence": CONFIDENCE,
-                    "interval": "Student t over seed-paired differences",
-                    "wall_s": wall_s,
-                    "claims": claims,
-                },
-                indent=2,
+    with experiment.parent_run(first, f"study-{plan.name}", plan.model_dump()) as parent:
+        results = experiment.run_runs(parent, configs, lambda cfg: str(result_path(out, cfg)), max_concurrent)
+        if first.eval.probes:
+            key = suite.probe_key(first.eval.probes[0].key)
+            model_registry.alias_best(
+                parent.mlflow_uri, {r["run_name"]: r["metrics"].get(key) for r in results.values()}
             )
-        )
-        (out / "results.md").write_text(results_markdown(plan, claims, wall_s))
-        reports.claims_png(claims, out / "claims.png", CONFIDENCE)
+        if parent.failures:
+            return [], parent.failures
+        claims = [claim_result(plan, claim, results) for claim in plan.claims]
+        files = write_report(plan, claims, out, time.perf_counter() - tic)
         metrics = {f"claims/{i}/{k}": c[k] for i, c in enumerate(claims) for k in ("mean_diff", "ci_low", "ci_high")}
-        tracking.log_evaluation(
-            mlflow_uri, metrics, [out / "study.json", out / "results.md", out / "claims.png"], run_id=parent
-        )
-    except BaseException:
-        tracking.finish_run(mlflow_uri, parent, "FAILED")
-        raise
-    tracking.finish_run(mlflow_uri, parent)
-    return claims
+        tracking.log_evaluation(parent.mlflow_uri, metrics, files, run_id=parent.run_id)
+    return claims, parent.failures

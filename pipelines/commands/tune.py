@@ -2,8 +2,10 @@
 
 Train V2 pattern: a Tune trial is a driver function that builds its own `TorchTrainer` (through
 `run_training`); `TuneReportCallback` forwards the workers' reports, so ASHA sees the validation
-loss while the trial trains. When training ends the trial probes its encoder on the held-out split;
-trials are ranked by that probe. MLflow: one parent run per sweep, one child per trial, and on the
+loss while the trial trains. When training ends the trial is judged on the run config's eval
+section (mdc/evaluation/suite.py, as every command judges an encoder: a probe on CIFAR-10, say,
+whatever the training data); trials are ranked by the figure `rank_by` names (default: the first
+probe's accuracy). MLflow: one parent run per sweep, one child per trial, and on the
 parent a results table and a plot. Relaunching the same sweep resumes it (`Tuner.restore`).
 Local paths are made absolute in the driver (trials run in Tune's trial folders), and every trial's
 rank 0 reports its progress to one display on the driver's console. Trial drivers run on the head
@@ -25,14 +27,14 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from mdc.config import RunConfig, apply_overrides, build_config
-from mdc.evaluation.probe import probe_shapes
-from mdc.training.checkpoint import load_pretrained
-from pipelines.commands.search_space import SearchSpace, _copy, to_override_list
+from mdc.evaluation import suite
+from pipelines.commands.search_space import SearchSpace, _copy, ranking, to_override_list
 from pipelines.infra import progress, tracking
 from pipelines.infra.console import console, first_line_of
 from pipelines.infra.run_inputs import absolute_paths
 from pipelines.run import concurrency, model_registry, reports
-from pipelines.run.driver import run_training, storage_for
+from pipelines.run.driver import storage_for
+from pipelines.run.evaluation import train_and_evaluate
 
 # A trial function only drives its trainer (Ray Train places the workers): it runs on the head,
 # asking no CPU (the head of a GPU cluster often has none), where losing a worker node cannot take
@@ -49,11 +51,6 @@ class SweepSummary:
     best: dict | None
     artifacts: list[str]
     failures: list[tuple[str, str, str]]  # (trial, its error's line, where the full error is)
-
-
-def dataset_root(train_uri: str) -> str:
-    """The folder holding train/ and val/ (what `mdc data` writes)."""
-    return posixpath.dirname(train_uri.rstrip("/"))
 
 
 def sweep_name(base_cfg: RunConfig, space: SearchSpace) -> str:
@@ -73,23 +70,15 @@ def trial_run_name(sweep: str, trial_id: str) -> str:
 
 
 def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str, channel) -> None:
+    """One trial: trained (its reports forwarded to Tune), judged on its eval section, and its
+    figures reported to Tune under the same keys as in MLflow."""
     point = config["point"]
     cfg = build_config(apply_overrides(_copy(base), to_override_list(point)))
     cfg.name = trial_run_name(sweep, tune.get_context().get_trial_id())
-    summary = run_training(cfg, parent_run_id=parent_run_id, ray_callbacks=[TuneReportCallback()], channel=channel)
-    model, _ = load_pretrained(summary.checkpoint_uri, endpoint_url=cfg.data.endpoint_url)
-    probe = probe_shapes(model, dataset_root(cfg.data.train_uri), cfg.data.endpoint_url)
-    final = {
-        "probe_accuracy": probe["accuracy"],
-        "val_loss": summary.metrics.get("val_loss"),
-        "loss": summary.metrics.get("loss"),
-    }
-    logger = tracking.MetricLogger(tracking.absolute_tracking_uri(cfg.mlflow_uri), summary.mlflow_run_id)
-    logger.log({k: v for k, v in final.items() if v is not None}, cfg.train.steps)
-    logger.flush()
-    logger.set_tag("checkpoint", summary.checkpoint_uri)
-    progress.Reporter(channel, cfg.name, cfg.train.steps).note(f"probe accuracy {probe['accuracy']:.3f}")
-    tune.report({**{k: v for k, v in final.items() if v is not None}, "trial_completed": True})
+    result = train_and_evaluate(cfg, parent_run_id, channel, ray_callbacks=[TuneReportCallback()])
+    headline = suite.headline(result["metrics"])
+    progress.Reporter(channel, cfg.name, cfg.train.steps).note(", ".join(f"{k} {v:.3f}" for k, v in headline.items()))
+    tune.report({**result["metrics"], "checkpoint_uri": result["checkpoint"], "trial_completed": True})
 
 
 def build_tuner(
@@ -203,7 +192,8 @@ def run_sweep(
 ) -> SweepSummary:
     """The sweep, `max_concurrent` trials at once (default: as many as the cluster's free
     resources hold, pipelines.run.concurrency.fitting_runs); Ray Tune places them."""
-    base_cfg = absolute_paths(base_cfg)
+    base_cfg = suite.resolve_section(absolute_paths(base_cfg))
+    space = ranking(space, base_cfg)
     if max_concurrent is None:
         max_concurrent = concurrency.fitting_runs([base_cfg] * trial_count(space, num_samples))
         console.print(f"{max_concurrent} trial(s) at once: what the cluster's free resources hold", highlight=False)
@@ -231,10 +221,13 @@ def run_sweep(
         paths.append(Path(tmp) / "space.yaml")
         tracking.log_artifacts(mlflow_uri, parent, paths)
     ranked = [r for r in rows if r[space.rank_by] is not None]
-    best = max(ranked, key=lambda r: r[space.rank_by]) if ranked else None
+    sign = -1 if space.rank_mode == "min" else 1
+    best = max(ranked, key=lambda r: sign * r[space.rank_by]) if ranked else None
     if best:
-        tracking.log_metrics(mlflow_uri, parent, {f"best_{space.rank_by}": best[space.rank_by]})
-    model_registry.alias_best(mlflow_uri, {trial_run_name(sweep, r["trial_id"]): r[space.rank_by] for r in ranked})
+        tracking.log_metrics(mlflow_uri, parent, {f"best/{space.rank_by}": best[space.rank_by]})
+    model_registry.alias_best(
+        mlflow_uri, {trial_run_name(sweep, r["trial_id"]): sign * r[space.rank_by] for r in ranked}
+    )
     tracking.finish_run(mlflow_uri, parent)
     failures = [
         (r["trial_id"] or posixpath.basename(posixpath.dirname(r["error_file"])), r["error"], r["error_file"])

@@ -26,22 +26,19 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
     raw["mlflow_uri"] = tracking.absolute_tracking_uri(raw["mlflow_uri"])
     for key in ("train_uri", "val_uri"):
         raw["data"][key] = absolute_uri(raw["data"][key])
-    raw["eval"]["data_uri"] = absolute_uri(raw["eval"]["data_uri"])
     return RunConfig.model_validate(raw)
 
 
 def check_inputs(cfg: RunConfig) -> None:
     """Fail in seconds, before any cluster work, when the data or the checkpoint store cannot be
     reached: a StorageError that names the config field, the location and what was expected."""
+    from mdc.evaluation import suite  # the evaluation stack: seconds to import, not before a config error
+
     data = cfg.data
-    shard_folder, held_out = (
-        "a folder of .tar or .parquet shards",
-        "a folder holding train/, val/ and compositionality/",
-    )
+    shard_folder = "a folder of .tar or .parquet shards"
     inputs = (
         ("data.train_uri", data.train_uri, shard_folder),
         ("data.val_uri", data.val_uri, shard_folder),
-        ("eval.data_uri", cfg.eval.data_uri, held_out),
     )
     for field_name, uri, expected in inputs:
         if uri is None:
@@ -55,3 +52,4 @@ def check_inputs(cfg: RunConfig) -> None:
             storage.check_reachable(cfg.storage_uri, data.endpoint_url, must_exist=False)
         except storage.StorageError as err:
             raise storage.StorageError(f"storage_uri: {err}") from None
+    suite.check_section(cfg.eval, data.endpoint_url)  # the probe, benchmark and caption folders

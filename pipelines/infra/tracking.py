@@ -137,16 +137,17 @@ def log_evaluation(
     run_id: str | None = None,
     run_name: str = "eval",
     params: dict | None = None,
+    step: int = 0,
 ) -> str:
-    """Metrics and artifacts (under eval/) into run_id, or into a new finished run of mdc-eval.
-    Parameters go to new runs only: a training run's parameters are fixed."""
+    """Metrics (at `step`) and artifacts (under eval/) into run_id, or into a new finished run of
+    mdc-eval. Parameters go to new runs only: a training run's parameters are fixed."""
     tracking_uri = absolute_tracking_uri(tracking_uri)
     created = run_id is None
     if created:
         client = MlflowClient(tracking_uri)
         run_id = client.create_run(experiment_id(client, tracking_uri, EVAL_EXPERIMENT), run_name=run_name).info.run_id
         client.log_batch(run_id, params=_params(params or {}))
-    log_metrics(tracking_uri, run_id, metrics)
+    log_metrics(tracking_uri, run_id, metrics, step)
     log_artifacts(tracking_uri, run_id, artifacts, "eval")
     if created:
         finish_run(tracking_uri, run_id)
@@ -164,6 +165,11 @@ def kill_children(tracking_uri: str, parent_run_id: str, stopped: set[str]) -> N
         name = child.data.tags.get(RUN_NAME_TAG)
         if child.info.status == "RUNNING" or (child.info.status == "FAILED" and name in stopped):
             client.set_terminated(child.info.run_id, status="KILLED")
+
+
+def latest_metrics(tracking_uri: str, run_id: str) -> dict[str, float]:
+    """Every metric of the run at its latest step, by key."""
+    return dict(MlflowClient(tracking_uri).get_run(run_id).data.metrics)
 
 
 def metric_history(tracking_uri: str, run_id: str, keys: Sequence[str]) -> dict[str, list[tuple[int, float]]]:

@@ -21,6 +21,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from mdc.config import RunConfig, WorkersConfig
 from mdc.data import shards, storage
+from mdc.evaluation import suite
 from mdc.models.captioner import PRESETS
 from mdc.training import checkpoint as ckpt
 from pipelines.data.feed import DataStallError
@@ -81,7 +82,7 @@ def run_training(
     sweep); without one, the run draws its own progress display on the console.
     `callbacks` (pipelines/worker/callbacks.py: fault injection, row recording, worker-group logs)
     go to every worker's trainer; they are for tests."""
-    cfg = absolute_paths(cfg)
+    cfg = suite.resolve_section(absolute_paths(cfg))  # what it evaluates, in the config it exports
     check_inputs(cfg)
     own_display = channel is None
     channel = channel or progress.open_channel()

@@ -56,9 +56,9 @@ def checkpoint_model(directory: str, device: str = "cpu"):
     return load_pretrained(directory, device)[0]
 
 
-def random_init_model(cfg, device: str = "cpu"):
+def random_init_model(cfg, device: str = "cpu", seed: int = 0):
     """A picklable factory of the random-init baseline."""
-    return probe.random_init(cfg).to(device)
+    return probe.random_init(cfg, seed=seed).to(device)
 
 
 class Extractor:

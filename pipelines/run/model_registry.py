@@ -3,7 +3,8 @@ sweep trial 7" is `models:/mdc-mdc-vit_b16/7`, not a path someone wrote down.
 
 A version's artifacts are the folder `mdc export` writes (the timm folder, its model card and the
 captioner in `captioner/`), logged as the run's `encoder` artifact; its tags are the run id and the
-run's probe and compositionality figures. Sweeps and plans give their best run's version the alias
+run's headline figures under their metric keys (mdc/evaluation/suite.py `headline`:
+eval/probe/NAME/accuracy, ...). Sweeps and plans give their best run's version the alias
 `best`. `resolve` turns `models:/NAME/VERSION` or `models:/NAME@ALIAS` into a local folder.
 """
 
@@ -23,6 +24,7 @@ from mlflow.tracking import MlflowClient
 from mdc import export
 from mdc.config import RunConfig
 from mdc.data import storage
+from mdc.evaluation import suite
 from mdc.training import checkpoint as ckpt
 from pipelines.infra import progress, tracking
 from pipelines.infra.console import UserError
@@ -31,7 +33,6 @@ ARTIFACT_PATH = "encoder"  # the run's artifact folder a version points at
 BEST = "best"
 MODELS_PREFIX = "models:/"
 RUN_ID_TAG, RUN_NAME_TAG = "run_id", "run_name"
-PROBE_TAG, COMPOSITIONALITY_TAG = "probe", "compositionality"
 _MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[\w-]+))")
 
 
@@ -45,16 +46,9 @@ def is_model_uri(uri: str) -> bool:
 
 
 def figures(metrics: dict[str, float]) -> dict[str, float]:
-    """The probe and compositionality figures among a run's latest metrics: the online ones, else
-    those `mdc eval` logged into the run."""
-    probe = [k for k in metrics if k == "online/probe_accuracy"] or sorted(
-        k for k in metrics if re.fullmatch(r"eval/probe/[^/]+/accuracy", k)
-    )
-    composition = [k for k in metrics if k == "online/compositionality/macro"] or sorted(
-        k for k in metrics if re.fullmatch(r"eval/(aro|sugarcrepe)/macro", k)
-    )
-    out = {PROBE_TAG: metrics[probe[0]]} if probe else {}
-    return out | ({COMPOSITIONALITY_TAG: metrics[composition[0]]} if composition else {})
+    """The headline figures among a run's latest metrics (its online evaluation's, or what the
+    evaluation after training or `mdc eval --run-id` logged into it), under their keys."""
+    return suite.headline(metrics)
 
 
 def version_of_run(client: MlflowClient, run_id: str):
@@ -106,13 +100,14 @@ def register_training_run(cfg: RunConfig, mlflow_run_id: str, checkpoint_uri: st
 
 
 def tag_figures(tracking_uri: str, run_id: str, measured: dict[str, float]) -> str | None:
-    """Figures measured after the run registered (the demo's probe) onto its version's tags; returns
+    """The headline figures measured after the run registered (its evaluation after training) onto
+    its version's tags; returns
     the version's `models:/NAME/VERSION`, or None when the run registered nothing."""
     client = MlflowClient(tracking_uri)
     version = version_of_run(client, run_id)
     if version is None:
         return None
-    for key, value in measured.items():
+    for key, value in figures(measured).items():
         client.set_model_version_tag(version.name, version.version, key, f"{value:.4f}")
     return f"{MODELS_PREFIX}{version.name}/{version.version}"
 

@@ -1,5 +1,6 @@
-"""What the encoder has learned, during training: the linear probe and the Monte Carlo
-compositionality scores of the model at `eval.probe_every` / `eval.compositionality_every` steps.
+"""What the encoder has learned, during training: the run's eval section (mdc/evaluation/suite.py:
+probes, compositionality, captions) on the model at `eval.probe_every`, `eval.compositionality_every`
+and `eval.captions_every` steps, logged against the step under the keys every command uses.
 
 The training workers never wait for it. Those steps write a checkpoint with the exported weights
 (`Checkpointer`); once it is complete, rank 0 hands its location to the run's `EvaluationQueueActor`
@@ -7,9 +8,11 @@ The training workers never wait for it. Those steps write a checkpoint with the 
 Ray's object store at once — so a checkpoint pruned later loses nothing — and starts one Ray task
 per checkpoint in the run's evaluation bundle: the `eval.cpus` / `eval.gpus` that `reserve` sets
 aside before the worker group is placed, so an evaluation never waits for training (nor for another
-run at once) to give them back, and runs on its GPU when it has one. At the last checkpoint rank 0
-waits until the evaluator has acknowledged every hand-over; the driver then waits for the last
-evaluations (`eval.timeout_s`) and says what they found.
+run at once) to give them back, and runs on its GPU when it has one. The random-init probe, the same
+at every step, is measured once (the first task) and handed to the others. At the last checkpoint
+rank 0 waits until the evaluator has acknowledged every hand-over; the driver then waits for the
+last evaluations (`eval.timeout_s`) and says what they found. Why this queue and not Ray Train's own
+validation of reported checkpoints: docs/design.md §7, "Online evaluation".
 """
 
 from __future__ import annotations
@@ -25,13 +28,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mdc.config import RunConfig
 from mdc.data.tokenizer import CaptionTokenizer
-from mdc.evaluation import compositionality, probe
+from mdc.evaluation import suite
 from mdc.registry import build_model
 from mdc.training import checkpoint as ckpt
 from pipelines.infra import tracking
 
-PROBE_KEY = "online/probe_accuracy"  # reports.ONLINE_CURVES draws it and the macro average
-COMPOSITIONALITY_PREFIX = "online/compositionality/"
 RESERVE_TIMEOUT_S = 300.0
 
 
@@ -74,37 +75,44 @@ def evaluation_device(gpus: float) -> torch.device:
     return torch.device("cuda")
 
 
-def evaluate_weights(
-    cfg: RunConfig, weights: dict, which: tuple[str, ...], threads: int, device: torch.device | None = None
-) -> dict[str, float]:
-    """The online figures of one checkpoint's weights: `online/probe_accuracy` and, per
-    compositionality subset, `online/compositionality/BENCHMARK/SUBSET` (plus the macro average)."""
+def subject_of(cfg: RunConfig, weights: dict | None, threads: int, device: torch.device | None = None) -> suite.Subject:
+    """A checkpoint's weights (None: the architecture at random init alone) as the evaluation's
+    subject, on `device`, in a task of `threads` threads."""
     torch.set_num_threads(max(1, threads))
     model = build_model(cfg, CaptionTokenizer)
-    model.load_state_dict(weights)
-    model.to(device or torch.device("cpu")).eval()
-    ev, out = cfg.eval, {}
-    if "probe" in which:
-        out[PROBE_KEY] = probe.probe_shapes(model, ev.data_uri, cfg.data.endpoint_url)["accuracy"]
-    if "compositionality" in which:
-        result = compositionality.evaluate_shapes(
-            model,
-            cfg.objective.name,
-            ev.data_uri,
-            cfg.data.endpoint_url,
-            samples=ev.samples,
-            limit=ev.limit,
-            seed=cfg.train.seed,
-        )
-        out.update({COMPOSITIONALITY_PREFIX + subset: acc for subset, acc in result["accuracy"].items()})
-        out[COMPOSITIONALITY_PREFIX + "macro"] = result["macro_accuracy"]
-    return out
+    if weights is not None:
+        model.load_state_dict(weights)
+    device = device or torch.device("cpu")
+    return suite.of_captioner(model.to(device).eval(), cfg, device)
+
+
+def evaluate_weights(
+    cfg: RunConfig,
+    weights: dict,
+    which: tuple[str, ...],
+    threads: int,
+    device: torch.device | None = None,
+    baseline: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """The figures of one checkpoint's weights on the run's eval section (the kinds in `which`)."""
+    subject = subject_of(cfg, weights, threads, device)
+    return suite.evaluate(subject, cfg.eval, which, cfg.data.endpoint_url, baseline).metrics
 
 
 @ray.remote(max_retries=1)
-def _evaluate_task(cfg: RunConfig, weights: dict, step: int, which: tuple[str, ...], mlflow_uri: str, run_id: str):
+def _baseline_task(cfg: RunConfig) -> dict[str, float]:
+    """The probes of the run's architecture at random init: the same at every step, measured once."""
+    subject = subject_of(cfg, None, int(cfg.eval.cpus) or 1, evaluation_device(cfg.eval.gpus))
+    return suite.random_init_figures(subject, cfg.eval, cfg.data.endpoint_url)
+
+
+@ray.remote(max_retries=1)
+def _evaluate_task(
+    cfg: RunConfig, weights: dict, step: int, which: tuple[str, ...], mlflow_uri: str, run_id: str, baseline: dict
+):
     tic = time.perf_counter()
-    metrics = evaluate_weights(cfg, weights, which, int(cfg.eval.cpus) or 1, evaluation_device(cfg.eval.gpus))
+    device = evaluation_device(cfg.eval.gpus)
+    metrics = evaluate_weights(cfg, weights, which, int(cfg.eval.cpus) or 1, device, baseline)
     tracking.log_metrics(mlflow_uri, run_id, metrics, step)
     return {"step": step, "seconds": time.perf_counter() - tic, **metrics}
 
@@ -115,6 +123,13 @@ class EvaluationQueue:
     def __init__(self, cfg: RunConfig, mlflow_uri: str, run_id: str, group: PlacementGroup | None = None):
         self.cfg, self.mlflow_uri, self.run_id, self.group = cfg, mlflow_uri, run_id, group
         self.pending: dict[int, ray.ObjectRef] = {}
+        self.baseline: ray.ObjectRef | None = None  # the random-init probes, measured by the first task
+
+    def _options(self) -> dict:
+        """A task in the run's evaluation bundle."""
+        ev = self.cfg.eval
+        strategy = self.group and PlacementGroupSchedulingStrategy(self.group, 0)
+        return {"num_cpus": ev.cpus, "num_gpus": ev.gpus, "scheduling_strategy": strategy}
 
     def submit(self, step: int, checkpoint_uri: str) -> None:
         """Read the checkpoint's exported weights now and evaluate them in a task of their own, in
@@ -123,14 +138,12 @@ class EvaluationQueue:
         if step in self.pending:
             return
         weights = ckpt.read_weights(checkpoint_uri, self.cfg.data.endpoint_url)
-        ev = self.cfg.eval
-        task = _evaluate_task.options(
-            num_cpus=ev.cpus,
-            num_gpus=ev.gpus,
-            scheduling_strategy=self.group and PlacementGroupSchedulingStrategy(self.group, 0),
-        )
-        self.pending[step] = task.remote(
-            self.cfg, ray.put(weights), step, ev.evaluations_at(step), self.mlflow_uri, self.run_id
+        which = self.cfg.eval.evaluations_at(step)
+        if self.baseline is None and "probe" in which:
+            self.baseline = _baseline_task.options(**self._options()).remote(self.cfg)
+        baseline = self.baseline if "probe" in which else {}  # Ray hands the task its value
+        self.pending[step] = _evaluate_task.options(**self._options()).remote(
+            self.cfg, ray.put(weights), step, which, self.mlflow_uri, self.run_id, baseline
         )
 
     def results(self, timeout_s: float) -> list[dict]:
@@ -151,14 +164,11 @@ EvaluationQueueActor = ray.remote(num_cpus=0)(EvaluationQueue)
 
 
 def summary_line(results: list[dict]) -> str:
-    """One line for the console: each step's probe and macro compositionality, or its error."""
+    """One line for the console: each step's headline figures (suite.headline), or its error."""
 
     def one(r: dict) -> str:
         if "error" in r:
             return f"step {r['step']}: {r['error']}"
-        figures = [f"probe {r[PROBE_KEY]:.3f}" if PROBE_KEY in r else ""]
-        macro = r.get(COMPOSITIONALITY_PREFIX + "macro")
-        figures.append(f"compositionality {macro:.3f}" if macro is not None else "")
-        return f"step {r['step']}: " + ", ".join(f for f in figures if f)
+        return f"step {r['step']}: " + ", ".join(f"{k} {v:.3f}" for k, v in suite.headline(r).items())
 
     return "online evaluation — " + "; ".join(one(r) for r in results)

@@ -18,13 +18,12 @@ matplotlib.use("Agg")  # files only, never a window: runs on headless workers
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 from mdc.data import shards
-from mdc.evaluation import captioning
+from mdc.evaluation import captioning, suite
 from mdc.registry import OBJECTIVES
 from mdc.training.checkpoint import load_pretrained
 from pipelines.infra import tracking
 
 CURVES = ("loss", "val_loss")
-ONLINE_CURVES = ("online/probe_accuracy", "online/compositionality/macro")  # pipelines/run/online_eval.py's keys
 
 
 def escape(text: str) -> str:
@@ -53,6 +52,14 @@ def curves_png(history: dict[str, list[tuple[int, float]]], path: Path, title: s
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def online_curves(tracking_uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    """The run's headline evaluation figures (suite.headline) logged at more than one step: its
+    evaluation during training, drawn against the step."""
+    keys = suite.headline(tracking.latest_metrics(tracking_uri, run_id))
+    history = tracking.metric_history(tracking_uri, run_id, [k for k in keys if not k.endswith("/gain")])
+    return {key: points for key, points in history.items() if len(points) > 1}
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -208,11 +215,10 @@ def training_report(cfg, summary, directory: Path, num_images: int = 8) -> list[
     paths = [
         curves_png(history, directory / "curves.png", f"{cfg.name}: {cfg.objective.name}, {cfg.train.steps} steps")
     ]
-    online = [key for key in ONLINE_CURVES if any(key in r for r in summary.online)]
+    online = online_curves(mlflow_uri, summary.mlflow_run_id)
     if online:
-        title = f"{cfg.name}: the encoder during training (held-out {cfg.eval.data_uri})"
-        history = tracking.metric_history(mlflow_uri, summary.mlflow_run_id, online)
-        paths.append(curves_png(history, directory / "online.png", title, "accuracy"))
+        title = f"{cfg.name}: the encoder during training"
+        paths.append(curves_png(online, directory / "online.png", title, "accuracy"))
     if cfg.data.val_uri and OBJECTIVES[cfg.objective.name].write:
         model, _ = load_pretrained(summary.checkpoint_uri, endpoint_url=cfg.data.endpoint_url)
         length = min(10, cfg.data.max_length - 1)
