@@ -8,6 +8,7 @@ appended: [MASK] = 49408 and pad = 49409. Captions are encoded as text tokens on
 from __future__ import annotations
 
 import gzip
+import importlib.util
 from functools import lru_cache
 from pathlib import Path
 
@@ -18,9 +19,14 @@ CLIP_BPE_MERGES = 49152 - 256 - 2  # the merges CLIP uses from the file (open_cl
 
 
 def bpe_file() -> Path:
-    import open_clip  # seconds to import, only to find the vocabulary file it ships
-
-    path = Path(open_clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
+    """The vocabulary file open-clip-torch ships, found without importing open_clip: its import
+    loads timm and triton (seconds), and a Ray Data read task that builds the tokenizer must not
+    (a read task stopped part-way through triton's import left the worker process with a broken
+    half-imported triton, and its next task failed on `triton.language.core`: CI, 2026-12-07)."""
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("CLIP BPE vocabulary not found: is open-clip-torch installed?")
+    path = Path(next(iter(spec.submodule_search_locations))) / "bpe_simple_vocab_16e6.txt.gz"
     if not path.is_file():
         raise FileNotFoundError(f"CLIP BPE vocabulary not found at {path}; is open-clip-torch installed?")
     return path
