@@ -8,7 +8,7 @@ from mdc import registry
 from mdc.config import ObjectiveConfig, ValidationConfig
 from mdc.data.images import normalize
 from mdc.registry import compute_loss
-from pipelines.data.seeds import noise_generator
+from pipelines.data.seeds import validation_generator
 
 
 def validation_objective(objective: ObjectiveConfig) -> ObjectiveConfig:
@@ -45,7 +45,7 @@ class Validator:
         model.eval()
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(self.batches):
-            gen = noise_generator(self.seed, -1 - i, 0, self.device)
+            gen = validation_generator(self.seed, i, self.device)
             images = normalize(batch["image"].to(self.device, non_blocking=True))
             loss, _ = compute_loss(
                 model, images, batch["tokens"].to(self.device, non_blocking=True), self.objective, gen
