@@ -213,3 +213,25 @@ def test_a_checkpoint_of_the_layout_before_states_json_is_refused_by_name(tmp_pa
     parts, states = components(make_state(1), {})
     with pytest.raises(ValueError, match=rf"has no {ckpt.STATES}: an mdc from before"):
         ckpt.load_training_state(uri, *parts, states)
+
+
+def test_a_relaunch_with_another_global_batch_is_refused_naming_the_field(tmp_path):
+    """The checkpoint records the global batch; a relaunch whose batch differs (another workers.count
+    and no train.global_batch_size) is refused in one line, the same batch or a first launch is not."""
+    from mdc.config import load_config
+    from pipelines.worker.checkpointer import check_global_batch, saved_global_batch
+
+    run_dir = str(tmp_path / "run")
+    two = load_config(None, ["train.batch_size=4", "workers.count=2"])
+    check_global_batch(two, run_dir)  # nothing saved yet
+    checkpointer(run_dir, make_state(0), {"train_state": Known({"step": 2, "global_batch": 8})}).save(2)
+    assert saved_global_batch(run_dir) == (ckpt.checkpoint_dir(run_dir, 2), 8)
+    check_global_batch(two, run_dir)
+    check_global_batch(
+        load_config(None, ["train.batch_size=4", "workers.count=1", "train.global_batch_size=8"]), run_dir
+    )
+    with pytest.raises(
+        ValueError, match=r"global batch of 8 rows, this launch would train 4 .*train\.global_batch_size: 8"
+    ) as err:
+        check_global_batch(load_config(None, ["train.batch_size=4", "workers.count=1"]), run_dir)
+    assert "\n" not in str(err.value)

@@ -43,6 +43,7 @@ from pipelines.run import model_registry, online_eval, reports
 from pipelines.run.online_eval import EvaluationQueueActor
 from pipelines.worker.args import WorkerArgs
 from pipelines.worker.callbacks import Callback
+from pipelines.worker.checkpointer import check_global_batch
 from pipelines.worker.trainer import train_loop
 
 
@@ -121,6 +122,9 @@ def _train(
     data = cfg.data
     driver = progress.Reporter(channel, cfg.name, cfg.train.steps)
     driver.note(f"preparing data ({data.train_uri}) and {workers_text(cfg.workers)} training workers")
+    storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
+    run_dir = storage.join(cfg.storage_uri if storage.is_s3(cfg.storage_uri) else storage_path, cfg.name)
+    check_global_batch(cfg, run_dir)  # before the MLflow run: a refused relaunch leaves it as it was
     mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
     run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id)
     train_shards = shards.list_shards(data.train_uri, data.format, data.endpoint_url)
@@ -128,8 +132,6 @@ def _train(
         resources, datasets = _datasets(cfg, actors, train_shards)
         with online_eval.reserved(cfg) as evaluation:  # before the worker group asks for its resources
             evaluator = _evaluator(cfg, mlflow_uri, run_id, evaluation)
-            storage_path, filesystem = storage_for(cfg.storage_uri, data.endpoint_url)
-            run_dir = storage.join(cfg.storage_uri if storage.is_s3(cfg.storage_uri) else storage_path, cfg.name)
             args = WorkerArgs(
                 cfg=cfg,
                 run_dir=run_dir,

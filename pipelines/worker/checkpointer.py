@@ -3,6 +3,7 @@ in the background with checkpoint.background, the completion marker, pruning) an
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 
 from mdc.config import RunConfig, dump_config
+from mdc.data import storage
 from mdc.training import checkpoint as ckpt
 from pipelines.worker.callbacks import Callback
 
@@ -117,3 +119,29 @@ class Checkpointer:
     def _at(self, step: int, point: str) -> None:
         for callback in self.callbacks:
             callback.checkpoint(step, self.rank, point)
+
+
+def saved_global_batch(run_dir: str, endpoint_url: str | None = None) -> tuple[str, int] | None:
+    """(uri, global batch) of the run's newest complete checkpoint (names and sizes checked, no
+    reads of the shards), or None when there is none or it predates the record."""
+    for _, uri in ckpt._checkpoints(run_dir, endpoint_url):
+        if ckpt.problem(uri, endpoint_url, checksums=False) is None:
+            states = json.loads(storage.read_bytes(storage.join(uri, ckpt.STATES), endpoint_url))
+            batch = states.get("train_state", {}).get("global_batch")
+            return None if batch is None else (uri, int(batch))
+    return None
+
+
+def check_global_batch(cfg: RunConfig, run_dir: str) -> None:
+    """Before a run resumes: its global batch is the one its checkpoint trained with. Another one
+    would change the optimiser's batch, the rows of every step and the noise chunks, so a relaunch
+    with another `workers.count` and no `train.global_batch_size` is refused, not resumed."""
+    saved = saved_global_batch(run_dir, cfg.data.endpoint_url)
+    if saved is not None and saved[1] != cfg.global_batch:
+        uri, batch = saved
+        raise ValueError(
+            f"{uri} trained with a global batch of {batch} rows, this launch would train {cfg.global_batch} "
+            f"(train.global_batch_size {cfg.train.global_batch_size}, train.batch_size {cfg.train.batch_size} "
+            f"× workers.max {cfg.workers.max}): set train.global_batch_size: {batch} to resume it, or train "
+            "under a new run name"
+        )

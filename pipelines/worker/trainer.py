@@ -109,6 +109,7 @@ class Trainer:
         return {
             "step": self.step,
             "workers": self.session.world_size,
+            "global_batch": self.cfg.global_batch,  # a relaunch with another is refused (check_global_batch)
             "val_loss": self.val_loss,
             "reported": self.reported,
         }
