@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from mdc.config import load_config
 from mdc.data.img2dataset import generated_rows, write_img2dataset_folder
-from pipelines.data.ingest import IngestResources, ShuffleWindow, build_dataset, in_order_split
+from pipelines.data.ingest import IngestResources, ShuffleWindow, build_dataset, in_order_split, validation_dataset
 from pipelines.infra import tracking
 
 
@@ -65,7 +65,8 @@ def test_the_rows_come_in_one_order_for_any_readers_and_workers(ray_cluster, fol
 @pytest.mark.timeout(600)
 def test_readers_that_finish_out_of_order_still_give_the_one_order(ray_cluster, tmp_path):
     """Shard 0 is 60 large images, shards 1-5 four small ones each: four readers finish the small
-    ones first, yet the rows leave in the shards' order (sorted here: no seed)."""
+    ones first, yet the rows leave in the shards' order (sorted here: no seed), and the validation
+    set is the first 64 rows of that order."""
     data, small = tmp_path / "data", tmp_path / "small"
     write_img2dataset_folder(generated_rows(60, image_size=384, failed_every=0), str(data), "webdataset", 60)
     write_img2dataset_folder(generated_rows(20, image_size=32, seed=1, failed_every=0), str(small), "webdataset", 4)
@@ -76,6 +77,11 @@ def test_readers_that_finish_out_of_order_still_give_the_one_order(ray_cluster, 
     [split] = in_order_split().configure({"train": ds}, 1, None, None)
     rows = [(s, r) for b in split["train"].iter_batches(batch_format="numpy") for s, r in zip(b["shard"], b["row"])]
     assert rows == [(0, r) for r in range(60)] + [(s, r) for s in range(1, 6) for r in range(4)]
+    # The validation set is the folder's first rows in that order too, not the first to be read
+    # (unordered, `limit` kept the small shards' rows).
+    val = validation_dataset(str(data), 32, 16, 64, resources=readers)
+    rows = [(s, r) for b in val.iter_batches(batch_format="numpy") for s, r in zip(b["shard"], b["row"])]
+    assert rows == [(0, r) for r in range(60)] + [(1, r) for r in range(4)]
 
 
 GLOBAL_BATCH, STEPS = 16, 6

@@ -323,10 +323,30 @@ def build_dataset(
     return ds
 
 
+def validation_dataset(
+    uri: str,
+    image_size: int,
+    max_length: int,
+    rows: int,
+    ledger=None,
+    endpoint_url: str | None = None,
+    format: shards.ShardFormat = "auto",
+    resources: IngestResources | None = None,
+) -> ray.data.MaterializedDataset:
+    """The validation set: the first `rows` rows of the folder in shard order (shards sorted, each
+    shard's rows in order, bad records skipped), the same for every launch, reader count and trial.
+    Read with Ray Data's order preserved: unordered, `limit` kept whichever read task finished first
+    (a slow first shard gave the rows of the second)."""
+    ds = build_dataset(uri, image_size, max_length, ledger, endpoint_url, resources, shuffle_seed=None, format=format)
+    ds = ds.limit(rows)
+    ds.context.execution_options.preserve_order = True
+    return ds.materialize()
+
+
 def in_order_split() -> ray.train.DataConfig:
     """Ray Train's split of the training dataset with Ray Data told to preserve order: its splitter
     then deals the blocks to the workers in turn (locality ignored), so which rows a worker gets
     depends on the dataset's order alone, not on which reader finished first."""
     options = ray.train.DataConfig.default_ingest_options()
     options.preserve_order = True
-    return ray.train.DataConfig(datasets_to_split=["train"], execution_options={"train": options})
+    return ray.train.DataConfig(datasets_to_split=["train"], execution_options={"train": options, "val": options})

@@ -33,6 +33,7 @@ from pipelines.data.ingest import (
     build_dataset,
     in_order_split,
     ingest_resources,
+    validation_dataset,
 )
 from pipelines.data.position import fingerprint
 from pipelines.infra import progress, tracking
@@ -276,19 +277,14 @@ def _datasets(cfg: RunConfig, actors: IngestActors, train_shards: list[str]) -> 
         )
     }
     if data.val_uri:
-        n_val = cfg.validation.batches * cfg.train.batch_size
-        datasets["val"] = (
-            build_dataset(
-                data.val_uri,
-                size,
-                data.max_length,
-                actors.bad_records,
-                data.endpoint_url,
-                shuffle_seed=None,
-                format=data.format,
-            )
-            .limit(n_val)
-            .materialize()
+        datasets["val"] = validation_dataset(
+            data.val_uri,
+            size,
+            data.max_length,
+            cfg.validation.batches * cfg.train.batch_size,
+            actors.bad_records,
+            data.endpoint_url,
+            format=data.format,
         )
     return resources, datasets
 
