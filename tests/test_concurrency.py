@@ -111,8 +111,12 @@ def test_pool_raises_the_first_error_and_starts_nothing_after_it():
     assert {0, 1} <= set(started) <= {0, 1, 2}  # 1 was running; 2 may have taken 0's place before it was seen
 
 
-def test_one_at_a_time_runs_in_this_thread():
-    assert concurrency.run_all({"a": threading.current_thread}, 1) == {"a": threading.main_thread()}
+def test_one_at_a_time_runs_in_a_driver_thread_too():
+    """Not in the main thread, which Ctrl-C reaches (tests/test_interrupt.py)."""
+    [thread] = concurrency.run_all({"a": threading.current_thread}, 1).values()
+    assert thread is not threading.main_thread()
+    assert concurrency.interruptible(threading.current_thread) is not threading.main_thread()
+    assert concurrency.run_all({i: (lambda i=i: i * i) for i in range(3)}, 1) == {0: 0, 1: 1, 2: 4}
 
 
 @pytest.mark.parametrize("command", ["study", "compare", "scaling", "tune"])

@@ -73,10 +73,11 @@ def train(
     with user_errors():
         cfg = resolved(run_inputs.absolute_paths(load_config(config, overrides)))
         run_inputs.check_inputs(cfg)
+        from pipelines.run.concurrency import interruptible
         from pipelines.run.driver import run_training  # the Ray program: seconds to import, so after the checks
 
         with ray_connection.ray_session(ray_output.run_log_path(cfg), address, verbose):
-            summary = run_training(cfg)
+            summary = interruptible(lambda: run_training(cfg))  # Ctrl-C: MLflow KILLED, out at once
     console.print(
         f"[green]done[/green] {summary.run_name}: loss {summary.metrics.get('loss', float('nan')):.4f}, "
         f"checkpoint {summary.checkpoint_uri}, MLflow run {summary.mlflow_run_id}, "

@@ -27,7 +27,7 @@ from pipelines.infra import tracking
 from pipelines.infra.console import console
 from pipelines.infra.local_s3 import create_bucket, local_s3_server
 from pipelines.infra.ray_connection import ray_session
-from pipelines.run import model_registry, reports
+from pipelines.run import concurrency, model_registry, reports
 from pipelines.run.driver import run_training
 from pipelines.run.evaluation import evaluate_run
 
@@ -75,7 +75,7 @@ def run_demo(workdir: Path, num: int = DEMO_IMAGES, overrides: list[str] = (), v
         write_shapes_dataset(data_uri, num=num, seed=cfg.train.seed, endpoint_url=endpoint)
         with ray_session(workdir / "ray.log", verbose=verbose, num_cpus=2), warnings.catch_warnings():
             warnings.filterwarnings("ignore", RAY_DATA_CONCURRENCY_WARNING, UserWarning)
-            result = run_training(cfg)
+            result = concurrency.interruptible(lambda: run_training(cfg))  # Ctrl-C: MLflow KILLED
         console.print(
             f"captioning {HELD_OUT} held-out images at N' = {', '.join(map(str, CAPTION_LENGTHS))}, "
             "probing the encoder, scoring compositionality"

@@ -5,12 +5,13 @@ helpers live.
   its training workers (workers.count × workers.cpus, and a GPU each with workers.use_gpu), its ingest
   CPUs (data.ingest_cpus, else one reader's CPU) and its online evaluation's bundle (eval.cpus,
   eval.gpus). A 2-core machine with the default config fits 1.
-- `run_all`: calls the runs' functions, at most N at once, each in its own driver thread; every
+- `run_all`: calls the runs' functions, at most N at once (one too), each in a driver thread; every
   run is still its own Ray Train job (its own `TorchTrainer.fit`, its own MLflow child run) and
   Ray places each worker group where it fits. Results come back in the order given, whatever the
   order of finishing. Ctrl-C stops them all at once: the runs not started are cancelled, the
   MLflow runs end KILLED, and the process exits without waiting for the running ones, whose Ray
   Train jobs end with this driver; the same command resumes them from their checkpoints.
+  `interruptible` is one call so (`mdc train`, the demo).
 - `share_ingest`: a run's ingest CPUs when N runs share the cluster (what its share leaves beside
   its workers and its evaluation bundle), so that N runs never ask for more than the cluster has.
 """
@@ -109,15 +110,14 @@ def plan_concurrency(cfgs: dict[K, RunConfig], requested: int | None) -> tuple[i
 
 
 def run_all(calls: dict[K, Callable[[], T]], max_concurrent: int) -> dict[K, T]:
-    """Every call's result, by key, in the order given. One at a time in this thread when
-    `max_concurrent` is 1; else at most `max_concurrent` at once in driver threads. The first
+    """Every call's result, by key, in the order given, at most `max_concurrent` at once in driver
+    threads (one at a time too: in the main thread, Ray Train's fit would take Ctrl-C and end the
+    run FAILED or leave it RUNNING, its parent FAILED). The first
     error stops the calls not started yet, lets the running ones finish (their results are kept
     where they keep them) and is raised. Ctrl-C (KeyboardInterrupt, which reaches the main thread
     only) cancels the calls not started, marks the MLflow runs this process opened KILLED and is
     raised at once: the threads are daemons, so the interpreter exits without waiting for them,
     and Ray's exit handler then ends this driver's Ray Train jobs."""
-    if max_concurrent <= 1 or len(calls) <= 1:
-        return {key: call() for key, call in calls.items()}
     futures = {key: Future() for key in calls}
     queue = list(calls.items())
     stop = threading.Event()
@@ -134,7 +134,9 @@ def run_all(calls: dict[K, Callable[[], T]], max_concurrent: int) -> dict[K, T]:
                 except BaseException as err:
                     futures[key].set_exception(err)
 
-    for i in range(max_concurrent):  # daemons: a ThreadPoolExecutor's threads are joined before exit
+    for i in range(
+        max(1, min(max_concurrent, len(calls)))
+    ):  # daemons: a ThreadPoolExecutor's threads are joined before exit
         threading.Thread(target=work, name=f"mdc-run-{i}", daemon=True).start()
     try:
         failed, pending = None, True
@@ -149,6 +151,12 @@ def run_all(calls: dict[K, Callable[[], T]], max_concurrent: int) -> dict[K, T]:
         _interrupt(stop, futures.values())
         raise
     return {key: future.result() for key, future in futures.items()}
+
+
+def interruptible(call: Callable[[], T]) -> T:
+    """`call()` in a driver thread, as `run_all` runs it: Ctrl-C ends its MLflow runs KILLED and
+    returns at once."""
+    return run_all({0: call}, 1)[0]
 
 
 def _interrupt(stop: threading.Event, futures, kill_runs: bool = True) -> None:
