@@ -154,6 +154,12 @@ class WorkersConfig(_Section):
         "PACK", description="how Ray places the workers on nodes: PACK fills few nodes, SPREAD one worker a node"
     )
     max_failures: int = Field(2, ge=-1, description="worker-group restarts from the last checkpoint")
+    notice_every_s: float = Field(
+        5.0,
+        ge=0.0,
+        description="how often (rank 0's wall clock) the group reads a node's reclaim notice, at a step boundary "
+        "every rank agrees on, whatever train.log_every is; 0: at logged steps only",
+    )
     max_preemption_failures: int = Field(
         -1, ge=-1, description="restarts after a node's reclaim notice (spot), apart from max_failures; -1: no limit"
     )

@@ -91,6 +91,14 @@ class LocalSession:
     def preemption_notice(self):
         return self.notices.pop(0) if self.notices else None
 
+    def broadcast(self, value):
+        """Rank 0's value, by a gloo collective when the test made a bigger group."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
 
 def local_trainer(tmp_path, steps: int, log_every: int, *overrides: str, same_images: bool = False, session=None):
     """The real worker `Trainer` on a `LocalSession` (needs a gloo group: one process unless
@@ -114,6 +122,7 @@ def local_trainer(tmp_path, steps: int, log_every: int, *overrides: str, same_im
             f"train.log_every={log_every}",
             "checkpoint.every=100",
             "optim.warmup_steps=2",
+            "workers.notice_every_s=0",  # the reclaim notice on logged steps only, unless a test says
             f"data.train_uri={tmp_path}",
             "data.val_uri=null",
             f"storage_uri={tmp_path / 'ckpt'}",

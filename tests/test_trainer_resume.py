@@ -127,3 +127,44 @@ def test_the_final_metrics_are_the_last_report_also_for_a_relaunch_of_a_finished
     again.run()
     assert again.step == 4 and again.session.reports == []
     assert again.reported == first.reported
+
+
+def test_the_notice_schedule_reads_every_interval_of_rank_0s_clock():
+    """Steps of 1 s, then of 0.25 s: reads at step 1 (start-up), then every 5 s of steps."""
+    from pipelines.worker.notice import NoticeSchedule
+
+    now = [0.0]
+    schedule = NoticeSchedule(5.0, clock=lambda: now[0])
+    reads = []
+    for step in range(1, 40):
+        now[0] += 1.0 if step <= 11 else 0.25
+        if schedule.due(step):
+            reads.append(step)
+            schedule.agree(step, schedule.gap(step))
+    assert reads == [1, 6, 11, 16, 36]  # 16: the gap measured at 11 was of 1-s steps; then 20 steps of 0.25 s
+    assert not NoticeSchedule(0.0).due(1)  # 0: logged steps only
+    resumed = NoticeSchedule(5.0, clock=lambda: now[0])
+    resumed.start(1000)
+    assert not resumed.due(1000) and resumed.due(1001)
+    now[0] += 1.0
+    assert resumed.gap(1001) == 5  # one step of 1 s since the resume, not 1001
+
+
+def test_a_reclaim_notice_is_read_on_a_wall_clock_interval_whatever_log_every_is(gloo_process_group, tmp_path):
+    """Logged only at the last step; steps of 1 s on the schedule's clock, notices every 5 s: read at
+    steps 1 and 6 (and 10, logged), the notice at 6 saves checkpoint 6 at once."""
+    from types import SimpleNamespace
+
+    from pipelines.worker.notice import NoticeSchedule
+
+    trainer = local_trainer(tmp_path, 10, 100, "workers.notice_every_s=5")
+    trainer.notices = NoticeSchedule(5.0, clock=lambda: float(trainer.step))
+    node = SimpleNamespace(deadline_ms=None, preempted_node_ids=["node-a"], preempted_ranks=[0])
+    trainer.session.notices = [None, node, node]  # read at steps 1, 6 and 10
+    trainer.restore()
+    trainer.run()
+    assert not trainer.session.notices
+    saved = sorted(step for step, _ in ckpt._checkpoints(trainer.checkpointer.run_dir, None))
+    assert saved == [6, 10] and [r["step"] for r in trainer.session.reports] == [6, 10]
+    notes = [e for e in trainer.events if "reclaim notice" in str(e)]
+    assert len(notes) == 1 and "checkpoint at step 6" in str(notes[0]), notes

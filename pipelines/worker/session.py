@@ -4,6 +4,7 @@ report. A test hands the trainer an object of the same shape instead (tests/test
 from __future__ import annotations
 
 import ray.train
+import ray.train.collective
 import ray.train.torch
 
 from mdc.config import RunConfig
@@ -45,3 +46,7 @@ class RaySession:
         """Ray Train's notice that a node of this group is being reclaimed (a spot preemption, a
         drain), or None. Collective over the group (every rank calls it at the same steps)."""
         return ray.train.get_preemption_info()
+
+    def broadcast(self, value):
+        """Rank 0's `value`, on every rank. Collective."""
+        return ray.train.collective.broadcast_from_rank_zero(value)

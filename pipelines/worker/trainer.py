@@ -21,6 +21,7 @@ from pipelines.data.seeds import augment_seed, noise_generator
 from pipelines.worker.args import WorkerArgs
 from pipelines.worker.checkpointer import Checkpointer
 from pipelines.worker.metrics import MetricsLogger, rank0_sinks
+from pipelines.worker.notice import NoticeSchedule
 from pipelines.worker.online import EvaluationHandOver
 from pipelines.worker.session import RaySession
 from pipelines.worker.validator import Validator
@@ -89,6 +90,7 @@ class Trainer:
             cfg.validation, session.held_out_batches(), cfg.objective, steps=tc.steps, seed=tc.seed, device=self.device
         )
         self.step, self.val_loss, self.reclaimed_nodes = 0, None, set()
+        self.notices = NoticeSchedule(cfg.workers.notice_every_s)  # when the reclaim notice is read
         self.saved_workers: int | None = None  # the group's size at the checkpoint resumed from
         self.reported: dict | None = None  # the last report: the run's final metrics once it ends
         self.checkpointer = Checkpointer(
@@ -122,6 +124,7 @@ class Trainer:
         """Collective: the checkpoint's weights, progress and data position, or a start from scratch."""
         uri = self.checkpointer.restore()
         self.cursor.start()
+        self.notices.start(self.step)
         if uri is not None:
             self.metrics.resumed(self.step, uri, param_norm(self.model))
         self.metrics.workers(self.step, self.session.world_size, self.saved_workers, self.cfg.workers.elastic)
@@ -164,14 +167,20 @@ class Trainer:
             self.val_loss = self.validator.loss(self.model)
             self.metrics.note_host(step, val_loss=self.val_loss)
             self.metrics.note(f"validation at step {step}: val_loss {self.val_loss:.4f}")
-        if self.metrics.due(step) or self.checkpointer.due(step):
-            self._log_and_save(step, just_in_time=self.metrics.due(step) and self._reclaimed(step))
+        logged, saved, read = self.metrics.due(step), self.checkpointer.due(step), self.notices.due(step)
+        if logged or saved or read:
+            reclaimed = (logged or read) and self._reclaimed(step)
+            if logged or saved or reclaimed:
+                self._log_and_save(step, just_in_time=reclaimed)
 
     def _reclaimed(self, step: int) -> bool:
-        """Collective, on logged steps only (no sync of its own elsewhere): whether a node of the
-        group has been told it is reclaimed since the last just-in-time checkpoint. Then this step
-        is saved at once, and training goes on until the node goes; the restart resumes from it."""
+        """Collective, on logged steps and those `self.notices` schedules (every rank at the same
+        steps; no sync of its own elsewhere): whether a node of the group has been told it is
+        reclaimed since the last just-in-time checkpoint. Then this step is saved at once, and
+        training goes on until the node goes; the restart resumes from it."""
         notice = self.session.preemption_notice()
+        if self.notices.next_step is not None:  # the next read's step, rank 0's
+            self.notices.agree(step, self.session.broadcast(self.notices.gap(step)))
         if notice is None or set(notice.preempted_node_ids) <= self.reclaimed_nodes:
             return False
         self.reclaimed_nodes |= set(notice.preempted_node_ids)
