@@ -73,8 +73,9 @@ def train(
     with user_errors():
         cfg = resolved(run_inputs.absolute_paths(load_config(config, overrides)))
         run_inputs.check_inputs(cfg)
+        # the Ray program: seconds to import, so after the checks
         from pipelines.run.concurrency import interruptible
-        from pipelines.run.driver import run_training  # the Ray program: seconds to import, so after the checks
+        from pipelines.run.driver import run_training
 
         with ray_connection.ray_session(ray_output.run_log_path(cfg), address, verbose):
             summary = interruptible(lambda: run_training(cfg))  # Ctrl-C: MLflow KILLED, out at once
