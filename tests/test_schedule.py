@@ -78,3 +78,27 @@ def test_gradient_coordinates_and_the_grid():
     assert len(schedule.grid(0.25)) == 10 and (0.5, 1.0) in schedule.grid(0.05) and len(schedule.grid(0.05)) == 210
     with pytest.raises(ValueError, match="step 0.3"):
         schedule.grid(0.3)
+
+
+def test_the_command_prints_a_table_writes_a_heat_map_and_logs_to_mlflow(tmp_path):
+    from mlflow.tracking import MlflowClient
+    from typer.testing import CliRunner
+
+    from mdc.data.shapes import write_shapes_dataset
+    from pipelines.cli import app
+
+    write_shapes_dataset(str(tmp_path / "shapes"), num=40, seed=0, image_size=32)
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = ["--draws", "10", "--step", "0.5", "--grad-coordinates", "32", "--captions", "20", "--out", str(tmp_path)]
+    overrides = [f"data.train_uri={tmp_path / 'shapes' / 'train'}", f"mlflow_uri={mlflow_uri}", "train.batch_size=4"]
+    result = CliRunner().invoke(app, ["schedule", *args, *overrides])
+    assert result.exit_code == 0, result.output
+    assert "[0, 1] / [0.5, 1] relative variance" in result.output and "recommended: [0.5, 1]" in result.output
+    assert "BD3-LM" in result.output and (tmp_path / "schedule.png").stat().st_size > 1000
+    client = MlflowClient(mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("mdc-eval").experiment_id])
+    assert (
+        run.data.metrics["schedule/recommended_omega_l"] == 0.5 and "schedule/loss_relvar/0.00_1.00" in run.data.metrics
+    )
+    bad = CliRunner().invoke(app, ["schedule", *args, *overrides[1:], f"data.train_uri={tmp_path / 'nowhere'}"])
+    assert bad.exit_code == 2 and "nowhere" in bad.output
