@@ -18,6 +18,7 @@ def _ci(ci) -> str:
 
 
 def print_result(result: dict) -> None:
+    # torch and the model stack take seconds to import: only once the arguments are read
     from mdc.schedule import BD3LM_NOTE
     from pipelines.commands.schedule import FULL, PAPER
 
@@ -91,17 +92,17 @@ def schedule_command(
     Settings.verbose = verbose
     with user_errors(ValueError, FileNotFoundError):
         cfg = load_config(config, list(ctx.args))
-        import torch
+        import torch  # seconds to import: after the config is read
 
         torch.set_num_threads(threads)
-        from pipelines.commands.schedule import ScheduleOptions, metrics, run_schedule
+        from pipelines.commands.schedule import ScheduleOptions, metrics, run_schedule  # torch: seconds
 
         opts = ScheduleOptions(step, draws, batch_size, captions, grad_coordinates, min_width, seed=seed)
         result = run_schedule(cfg, checkpoint, opts, out)
     result["draws_label"] = f"{draws} draws of {result['batch_size']} captions ({result['mean_words']:.1f} words)"
     print_result(result)
     if not no_mlflow:
-        from pipelines.infra import tracking
+        from pipelines.infra import tracking  # MLflow: seconds to import, and not with --no-mlflow
 
         params = {"config": str(config), "checkpoint": checkpoint or "random init", **opts.__dict__}
         run_id = tracking.log_evaluation(

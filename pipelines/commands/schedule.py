@@ -108,10 +108,10 @@ def recommend(rows: dict, min_width: float, key: str = "loss_relvar") -> tuple[f
 
 
 def heat_map(rows: dict, recommended: tuple, path: Path) -> Path:
-    import matplotlib
+    import matplotlib  # only to draw: seconds to import
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the headless backend is chosen
 
     lows = sorted({iv[0] for iv in rows})
     highs = sorted({iv[1] for iv in rows})
