@@ -58,7 +58,8 @@ ARO_FILES = {
 }
 SUGARCREPE_SUBSETS = ("add_att", "add_obj", "replace_att", "replace_obj", "replace_rel", "swap_att", "swap_obj")
 BENCHMARKS = ("aro", "sugarcrepe")
-SHAPES_SUBSETS = ("vg_relation", "vg_attribution", "swap_obj", "swap_att")  # what `mdc data shapes` writes
+# what `mdc data shapes` (the first four) and `mdc data emoji` (vg_attribution, swap_att, replace_att) write
+SHAPES_SUBSETS = ("vg_relation", "vg_attribution", "swap_obj", "swap_att", "replace_att")
 VG_FIELDS = ("image_path", "bbox_x", "bbox_y", "bbox_w", "bbox_h", "true_caption", "false_caption")
 BLIND_BIAS_THRESHOLD = 0.6
 NORMALIZATIONS = ("none", "token")

@@ -324,22 +324,30 @@ def fashion_mnist(root: str, split: str) -> Split:
 
 
 def read_shard_split(uri: str, split: str, endpoint_url: str | None = None, kind: str = "shapes") -> Split:
-    """A dataset written by `mdc data shapes|tuxpaint`: train/ for fitting, val/ as the test split,
-    label = the sample's JSON `label`, class names from manifest.json."""
-    class_names = shards.read_manifest(uri, endpoint_url).get("class_names")
+    """A dataset written by `mdc data shapes|tuxpaint|emoji`: train/ for fitting, test/ (val/ where
+    there is no test/) as the test split, label = the sample's JSON field and class names the
+    manifest's field that SHARD_LABELS names for `kind` (`label` and `class_names` by default)."""
+    label_field, names_field = SHARD_LABELS.get(kind, ("label", "class_names"))
+    manifest = shards.read_manifest(uri, endpoint_url)
+    class_names = manifest.get(names_field)
     if not class_names:
-        raise DatasetFormatError(f"{storage.join(uri, shards.MANIFEST)}: missing field 'class_names'")
-    split_uri = storage.join(uri, "train" if split == "train" else "val")
+        raise DatasetFormatError(f"{storage.join(uri, shards.MANIFEST)}: missing field {names_field!r}")
+    held_out = "test" if "test" in manifest.get("splits", {}) else "val"
+    split_uri = storage.join(uri, "train" if split == "train" else held_out)
     skips = Counter()
     sources, labels = [], []
     for sample in shards.read_shards(split_uri, endpoint_url, skips):
-        if not isinstance(sample.meta, dict) or "label" not in sample.meta:
-            raise DatasetFormatError(f"{split_uri}: sample {sample.key}: missing field 'label' in {sample.key}.json")
+        if not isinstance(sample.meta, dict) or label_field not in sample.meta:
+            raise DatasetFormatError(
+                f"{split_uri}: sample {sample.key}: missing field {label_field!r} in {sample.key}.json"
+            )
         sources.append(sample.image)
-        labels.append(int(sample.meta["label"]))
+        labels.append(int(sample.meta[label_field]))
     if skips:
         log.warning("%s: skipped %s", split_uri, dict(skips))
     return Split(f"{kind}/{split}", sources, np.asarray(labels, dtype=np.int64), list(class_names))
 
 
-SHARD_DATASETS = ("shapes", "tuxpaint")
+SHARD_DATASETS = ("shapes", "tuxpaint", "emoji", "emoji-subgroup")
+# kind -> (the sample JSON's label field, the manifest's class-names field); others: label, class_names
+SHARD_LABELS = {"emoji-subgroup": ("subgroup_label", "subgroup_names")}

@@ -153,7 +153,8 @@ def _defaults(cfg: RunConfig, root: str, manifest: dict) -> dict:
     val = held_out_captions(cfg, root, manifest)
     labelled = kind if kind in readers.SHARD_DATASETS else "shapes"
     defaults = {
-        "probes": [{"dataset": labelled, "name": kind}] if manifest.get("class_names") else [],
+        "probes": ([{"dataset": labelled, "name": kind}] if manifest.get("class_names") else [])
+        + ([{"dataset": "emoji-subgroup", "name": "emoji-subgroup"}] if manifest.get("subgroup_names") else []),
         "compositionality": [{"benchmark": "shapes"}] if has_pairs else [],
         # the paper's N' = 10; named after the dataset `mdc data` wrote, as its probe is
         "captions": [{"uri": val, "name": manifest.get("dataset"), "lengths": [min(10, cfg.data.max_length)]}]
@@ -252,7 +253,7 @@ def check_section(ev: EvalConfig, endpoint_url: str | None = None) -> None:
         if spec.root is None:  # the training data's, or Debian's: resolve_section fills it or says why not
             continue
         if spec.dataset in readers.SHARD_DATASETS:
-            _reachable(where, spec.root, endpoint_url, "a dataset `mdc data shapes|tuxpaint` wrote")
+            _reachable(where, spec.root, endpoint_url, "a dataset `mdc data shapes|tuxpaint|emoji` wrote")
             try:
                 labelled = bool(shards.read_manifest(spec.root, endpoint_url).get("class_names"))
             except (storage.StorageError, ValueError) as err:

@@ -11,6 +11,7 @@ from pipelines.cli.config import config_app
 from pipelines.cli.data import data_app
 from pipelines.cli.evaluate import eval_app
 from pipelines.cli.export import export_command
+from pipelines.cli.schedule import schedule_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 app.add_typer(data_app, name="data")
@@ -25,3 +26,4 @@ app.command(context_settings=EXTRA_ARGS)(runs.scaling)
 app.command()(runs.study)
 app.command(context_settings=EXTRA_ARGS)(runs.submit)
 app.command("export")(export_command)
+app.command("schedule", context_settings=EXTRA_ARGS)(schedule_command)

@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 
+from mdc.data.emoji import MissingPackages, write_emoji_dataset
 from mdc.data.img2dataset import damage_folder, generated_rows, write_img2dataset_folder
 from mdc.data.shapes import write_shapes_dataset
 from mdc.data.tuxpaint import write_tuxpaint_dataset
@@ -38,6 +39,28 @@ def data_tuxpaint(
 
     manifest = write_tuxpaint_dataset(out, format=format, endpoint_url=endpoint_url)
     console.print(manifest)
+
+
+@data_app.command("emoji")
+def data_emoji(
+    out: str = typer.Option(..., help="output folder or s3://bucket/prefix"),
+    image_size: int = typer.Option(32, min=8, help="side of the rendered images, pixels"),
+    seed: int = typer.Option(0, help="salt of the split by base emoji"),
+    val_fraction: float = typer.Option(0.1, min=0.0, max=0.5),
+    test_fraction: float = typer.Option(0.1, min=0.0, max=0.5),
+    format: str = typer.Option("webdataset", help="webdataset | parquet"),
+    endpoint_url: Optional[str] = None,
+):
+    """Noto Color Emoji captioned with their CLDR names (Debian's fonts-noto-color-emoji, unicode-data):
+    train/val/test split by base emoji, group and subgroup probe labels, real swap pairs."""
+
+    with user_errors(MissingPackages, ValueError):
+        manifest = write_emoji_dataset(
+            out, image_size, seed, val_fraction, test_fraction, format, endpoint_url=endpoint_url
+        )
+    counts = {name: split["num_samples"] for name, split in manifest["splits"].items()}
+    pairs = {k: manifest["compositionality"][k] for k in ("gender_pairs", "skin_tone_pairs")}
+    console.print({"splits": counts, "bases": manifest["num_bases"], "pairs": pairs, "skipped": manifest["skipped"]})
 
 
 @data_app.command("img2dataset")

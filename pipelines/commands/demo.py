@@ -188,6 +188,11 @@ def print_results(summary: dict, evaluation, captions: dict | None, report: Path
     console.print(
         f'the encoder, for timm: timm.create_model("local-dir:{summary["encoder"]}", pretrained=True)', highlight=False
     )
+    console.print(
+        "the method on real captions: mdc data emoji --out runs/emoji (3,655 Noto emoji named by Unicode), "
+        "mdc schedule --config configs/emoji.yaml, and the emoji study: studies/emoji_claims.yaml, docs/results.md",
+        highlight=False,
+    )
 
 
 def write_report(workdir: Path, cfg, result, metrics: dict, images, captions: dict | None) -> Path:

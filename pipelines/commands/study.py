@@ -33,7 +33,8 @@ from rich.console import Console
 from scipy import stats
 
 from mdc.config import DEFAULT_CONFIG, ConfigError, RunConfig, derive, load_config
-from mdc.data import shards, tuxpaint
+from mdc.data import emoji, shards, tuxpaint
+from mdc.data.emoji import write_emoji_dataset
 from mdc.data.shapes import write_shapes_dataset
 from mdc.data.storage import join
 from mdc.data.tuxpaint import write_tuxpaint_dataset
@@ -71,10 +72,10 @@ class _Strict(BaseModel):
 
 
 class DatasetPlan(_Strict):
-    """Where an arm's data comes from: generated shapes, Debian's Tux Paint stamps, or existing
+    """Where an arm's data comes from: generated shapes, Debian's Tux Paint stamps or Noto emoji, or existing
     shards (a training folder; the arms' eval section then names what judges them)."""
 
-    kind: Literal["shapes", "tuxpaint", "shards"] = "shapes"
+    kind: Literal["shapes", "tuxpaint", "emoji", "shards"] = "shapes"
     num: int = Field(2000, ge=10, description="shapes: images to generate")
     max_objects: Literal[1, 2] = Field(
         2, description="shapes: 1 gives one shape per image and captions of 4 tokens (no compositionality pairs)"
@@ -193,7 +194,15 @@ def expected_manifest(spec: DatasetPlan) -> dict | None:
     if spec.kind == "shards":
         return None
     pairs = {"num_pairs": 1} if spec.has_pairs else {}
-    return {"dataset": spec.kind, "class_names": ["..."], "splits": {"train": {}, "val": {}}, "compositionality": pairs}
+    manifest = {
+        "dataset": spec.kind,
+        "class_names": ["..."],
+        "splits": {"train": {}, "val": {}},
+        "compositionality": pairs,
+    }
+    if spec.kind == "emoji":  # mdc/data/emoji.py: a test split and a second probe level
+        manifest |= {"subgroup_names": ["..."], "splits": {"train": {}, "val": {}, "test": {}}}
+    return manifest
 
 
 def run_name(plan: Plan, arm: str, seed: int) -> str:
@@ -235,7 +244,7 @@ def run_configs(plan: Plan, plan_path: Path, out: Path) -> dict[tuple[str, int],
 
 
 def prepare_data(plan: Plan, out: Path) -> None:
-    """Generate the plan's shapes / Tux Paint datasets under OUT/data, once."""
+    """Generate the plan's shapes / Tux Paint / emoji datasets under OUT/data, once."""
     for name, spec in plan.datasets.items():
         root = out / "data" / name
         if spec.kind == "shards" or (root / shards.MANIFEST).is_file():
@@ -243,6 +252,8 @@ def prepare_data(plan: Plan, out: Path) -> None:
         console.print(f"writing dataset {name} ({spec.kind}) to {root}")
         if spec.kind == "shapes":
             write_shapes_dataset(str(root), num=spec.num, seed=0, max_objects=spec.max_objects)
+        elif spec.kind == "emoji":
+            write_emoji_dataset(str(root))
         else:
             write_tuxpaint_dataset(str(root))
 
@@ -250,6 +261,11 @@ def prepare_data(plan: Plan, out: Path) -> None:
 def check_data(plan: Plan) -> None:
     """Fail before anything runs if a Tux Paint dataset has no stamps to read."""
     for name, spec in plan.datasets.items():
+        if spec.kind == "emoji":
+            try:
+                emoji.check_packages()
+            except emoji.MissingPackages as err:
+                raise StudyError(f"datasets.{name}.kind: {err}") from None
         if spec.kind == "tuxpaint" and not Path(tuxpaint.DEFAULT_ROOT).is_dir():
             raise StudyError(
                 f"datasets.{name}.kind: tuxpaint needs Debian's tuxpaint-stamps-default "
