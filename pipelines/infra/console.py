@@ -4,6 +4,7 @@ as one line with exit code 2 instead of a traceback, and failed runs as one line
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import typer
 from rich.console import Console
@@ -11,7 +12,6 @@ from rich.text import Text
 
 from mdc.config import ConfigError
 from mdc.data.storage import StorageError
-from mdc.evaluation.readers import DatasetFormatError
 
 console = Console(soft_wrap=True)
 
@@ -30,7 +30,10 @@ class UserError(ValueError):
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    return UserError, ConfigError, StorageError, DatasetFormatError
+    """The user-error classes; the dataset readers' only once loaded (torchvision: seconds to import,
+    and a process that never loaded them cannot have raised their error)."""
+    readers = sys.modules.get("mdc.evaluation.readers")
+    return UserError, ConfigError, StorageError, *((readers.DatasetFormatError,) if readers else ())
 
 
 def warn(message: str) -> None:
