@@ -39,8 +39,9 @@ def test_data_without_val_trains_without_the_configs_validation_split(tmp_path, 
     """`--data X` alone must not validate on the demo config's runs/shapes/val (absent here)."""
     import pipelines.run.driver
 
-    (tmp_path / "train").mkdir()
-    (tmp_path / "VAL").mkdir()
+    for folder in ("train", "VAL"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "00000.tar").write_bytes(b"")  # a shard's name: the checks list, never read it
     monkeypatch.chdir(tmp_path)
     seen = {}
 
@@ -219,3 +220,20 @@ def test_ray_output_goes_to_the_log_and_mdc_lines_to_the_console_once(tmp_path, 
     ):
         assert line in text
     assert ray_worker.print_to_stdstream.__name__ == "print_to_stdstream"  # put back
+
+
+def test_a_one_line_error_never_ends_at_a_colon():
+    """Ray's dashboard failure quotes a log after a colon: the line keeps the log's last line (issue 52)."""
+    from pipelines.infra.console import first_line_of
+
+    log = "\n".join(f"2026-12-07 dashboard line {i}" for i in range(19)) + "\nOSError: [Errno 98] address in use"
+    dashboard = Exception(
+        f"The last 20 lines of /tmp/ray/session/logs/dashboard.log (it contains the error message from the dashboard):\n{log}"
+    )
+    line = first_line_of(dashboard)
+    assert line.startswith("The last 20 lines of /tmp/ray/session/logs/dashboard.log")
+    assert line.endswith("OSError: [Errno 98] address in use") and "\n" not in line
+    assert first_line_of(ValueError("invalid config x.yaml:\n  train.steps: too small")) == (
+        "invalid config x.yaml: train.steps: too small"
+    )
+    assert first_line_of(RuntimeError("failed:")) == "failed (no detail given)"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from mdc import ddcap
+from mdc.objectives.noise import sample_t
 from mdc.objectives.positions import position_nll, projected
 from mdc.objectives.sections import (  # the config classes, torch-free; re-exported here
     T_MIN,
@@ -36,22 +37,6 @@ __all__ = [
     "mask_tokens",
     "masked_diffusion_loss",
 ]
-
-
-def sample_t(
-    n: int,
-    omega_l: float,
-    omega_u: float,
-    antithetic: bool = True,
-    generator: torch.Generator | None = None,
-    device=None,
-) -> torch.Tensor:
-    """t ~ U[ω_l, ω_u]. Antithetic: one draw per stratum [i/n, (i+1)/n) of the interval, a
-    low-discrepancy batch that lowers the variance of the loss estimate (MDLM)."""
-    u = torch.rand(n, generator=generator, device=device)
-    if antithetic:
-        u = (torch.arange(n, device=device) + u) / n
-    return omega_l + (omega_u - omega_l) * u
 
 
 def mask_tokens(

@@ -56,7 +56,7 @@ class _SampledT(MaskedObjective):
         return self
 
     def noise_levels(self, n, generator, device):
-        from mdc.objectives.masked import sample_t  # torch: only where a loss is computed
+        from mdc.objectives.noise import sample_t  # torch: only where a loss is computed
 
         return sample_t(n, max(self.omega_l, T_MIN), self.omega_u, self.antithetic, generator, device)
 

@@ -73,7 +73,21 @@ def first_line_of(error: object) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         return type(error).__name__
-    return lines[-1] if any(line.startswith('File "') for line in lines) else lines[0]
+    if any(line.startswith('File "') for line in lines):
+        return lines[-1]
+    return never_at_a_colon(lines)
+
+
+def never_at_a_colon(lines: list[str]) -> str:
+    """The first line, and when it ends at a colon (Ray's "The last 20 lines of …/dashboard.log (it
+    contains the error message from the dashboard):") the cause after it: the next line, or for a
+    quoted log the last one, where a log's error is. Nothing after it: the colon goes."""
+    head, rest = lines[0], lines[1:]
+    if not head.endswith(":"):
+        return head
+    if not rest:
+        return head.rstrip(":") + " (no detail given)"
+    return f"{head} {rest[0]}" if len(rest) == 1 else f"{head} [...] {rest[-1]}"
 
 
 class RunFailed(Exception):
