@@ -345,7 +345,7 @@ class RunConfig(_Section):
     storage_uri: str = "runs/checkpoints"
     mlflow_uri: str = "sqlite:///mlflow.db"
     experiment: str = "mdc"
-    registered_model: str | None = None  # its MLflow Model Registry name; None: mdc-<objective>-<preset>
+    registered_model: str | None = None  # its MLflow Model Registry name; None: the run's (a sweep's: the sweep's)
     model: ModelConfig = ModelConfig()
     objective: ObjectiveConfig = MdcObjective()
     data: DataConfig = DataConfig()

@@ -211,3 +211,8 @@ def test_sweep_whose_trials_all_fail_exits_non_zero(ray_cluster, shapes_dir, tmp
     [line] = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert "all 2 trials failed" in line and "does not exist" in line and "gone-" in line, result.output
     assert "Traceback" not in result.output
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # MLflow tells the truth (issue 52)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    [parent] = [r for r in runs if r.data.tags.get("run_name", "").startswith("sweep-")]
+    assert parent.info.status == "FAILED" and all(r.info.status != "RUNNING" for r in runs)
+    assert client.search_model_versions() == []

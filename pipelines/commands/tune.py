@@ -75,6 +75,7 @@ def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str, channel)
     point = config["point"]
     cfg = build_config(apply_overrides(_copy(base), to_override_list(point)))
     cfg.name = trial_run_name(sweep, tune.get_context().get_trial_id())
+    cfg.registered_model = cfg.registered_model or sweep  # the trials are versions of the sweep's model
     result = train_and_evaluate(cfg, parent_run_id, channel, ray_callbacks=[TuneReportCallback()])
     headline = suite.headline(result["metrics"])
     progress.Reporter(channel, cfg.name, cfg.train.steps).note(", ".join(f"{k} {v:.3f}" for k, v in headline.items()))
@@ -208,6 +209,16 @@ def run_sweep(
             "base": base_cfg.model_dump(),
         },
     )
+    with tracking.ended_on_error(mlflow_uri, parent):  # the parent is never left RUNNING
+        summary = _sweep(space, base_cfg, parent, num_samples, max_concurrent, verbose)
+    tracking.finish_run(mlflow_uri, parent, "FAILED" if summary.failures else "FINISHED")
+    return summary
+
+
+def _sweep(space, base_cfg, parent, num_samples, max_concurrent, verbose) -> SweepSummary:
+    """The trials run, their table and the best logged to the parent run, the best aliased."""
+    mlflow_uri = tracking.absolute_tracking_uri(base_cfg.mlflow_uri)
+    sweep = sweep_name(base_cfg, space)
     channel = progress.open_channel()
     with progress.ProgressDisplay(channel, console):
         results = build_tuner(space, base_cfg, parent, num_samples, max_concurrent, channel, verbose).fit()
@@ -228,7 +239,6 @@ def run_sweep(
     model_registry.alias_best(
         mlflow_uri, {trial_run_name(sweep, r["trial_id"]): sign * r[space.rank_by] for r in ranked}
     )
-    tracking.finish_run(mlflow_uri, parent)
     failures = [
         (r["trial_id"] or posixpath.basename(posixpath.dirname(r["error_file"])), r["error"], r["error_file"])
         for r in rows

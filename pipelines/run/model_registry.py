@@ -37,8 +37,23 @@ _MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alia
 
 
 def registered_name(cfg: RunConfig) -> str:
-    """`registered_model` in the config, else mdc-<objective>-<preset>."""
-    return cfg.registered_model or f"mdc-{cfg.objective.name}-{cfg.model.preset}"
+    """`registered_model` in the config, else the run's name: one registered model per thing a
+    user asks for by name (a sweep's trials are versions of the sweep's, `mdc tune`)."""
+    return cfg.registered_model or cfg.name
+
+
+def version_tags(cfg: RunConfig) -> dict[str, str]:
+    """What a version was trained on and how, beside its run: `version 7` says what it is."""
+    return {"data": cfg.data.train_uri, "objective": cfg.objective.name, "preset": cfg.model.preset}
+
+
+def withdraw(tracking_uri: str, run_id: str) -> None:
+    """The version a run registered deleted: a run that failed after registering (its evaluation)
+    is no model anyone should load."""
+    client = MlflowClient(tracking_uri)
+    version = version_of_run(client, run_id)
+    if version is not None:
+        client.delete_model_version(version.name, version.version)
 
 
 def is_model_uri(uri: str) -> bool:
@@ -58,7 +73,12 @@ def version_of_run(client: MlflowClient, run_id: str):
 
 
 def register_run(
-    tracking_uri: str, run_id: str, checkpoint_uri: str, name: str, endpoint_url: str | None = None
+    tracking_uri: str,
+    run_id: str,
+    checkpoint_uri: str,
+    name: str,
+    endpoint_url: str | None = None,
+    extra_tags: dict[str, str] | None = None,
 ) -> tuple[str, str]:
     """Export `checkpoint_uri`, log it as the run's `encoder` artifact and register it under `name`;
     a run registers once (a relaunch gets the version it made). Returns (name, version)."""
@@ -78,7 +98,7 @@ def register_run(
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     tags = {RUN_ID_TAG: run_id, RUN_NAME_TAG: run.data.tags.get(tracking.RUN_NAME_TAG, run.info.run_name)}
-    tags |= {k: f"{v:.4f}" for k, v in found.items()}
+    tags |= {k: f"{v:.4f}" for k, v in found.items()} | (extra_tags or {})
     version = client.create_model_version(name, f"{run.info.artifact_uri}/{ARTIFACT_PATH}", run_id, tags=tags)
     return name, str(version.version)
 
@@ -93,6 +113,7 @@ def register_training_run(cfg: RunConfig, mlflow_run_id: str, checkpoint_uri: st
             checkpoint_uri,
             registered_name(cfg),
             cfg.data.endpoint_url,
+            version_tags(cfg),
         )
         reporter.note(f"encoder registered as models:/{name}/{version}")
     except Exception as err:
