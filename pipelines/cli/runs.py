@@ -108,24 +108,28 @@ def tune(
     config: Path = typer.Option(DEFAULT_CONFIG, help="base run config"),
     samples: Optional[int] = typer.Option(None, help="trials for a random space"),
     max_concurrent: Optional[int] = typer.Option(None, min=1, help=MAX_CONCURRENT_HELP.replace("runs", "trials")),
+    name: Optional[str] = typer.Option(
+        None, help="the sweep's name: its folder, MLflow parent run and registered model (default: RUN-SPACE)"
+    ),
     address: Optional[str] = None,
-    verbose: bool = VERBOSE_OPTION,
+    verbose: bool = typer.Option(False, "--verbose", help="Ray's own output, Ray Tune's status tables and tracebacks"),
 ):
-    """Sweep a search space with Ray Tune (ASHA); every trial an MLflow child run. Extra
-    arguments are `section.key=value` overrides of the base config."""
+    """Sweep a search space with Ray Tune (ASHA); every trial an MLflow child run and one progress
+    line. Extra arguments are `section.key=value` overrides of the base config."""
     Settings.verbose = verbose
     with user_errors():
-        base = run_inputs.absolute_paths(checked(load_config(config, list(ctx.args))))
-        base = resolved(base)
-        search_space = ranking(load_space(space, base), base)
+        base = load_config(config, list(ctx.args))
+        search_space = load_space(space, base)  # a mistake in the space first: it is what the user just wrote
+        base = resolved(run_inputs.absolute_paths(checked(base)))
+        search_space = ranking(search_space, base)
         suite().check_section(base.eval, base.data.endpoint_url)
         from pipelines.commands.tune import (  # the Ray program: seconds to import, so after the checks
             run_sweep,
             sweep_folder,
         )
 
-        with ray_session(sweep_folder(base, search_space) / "ray.log", address, verbose):
-            summary = run_sweep(search_space, base, samples, max_concurrent)
+        with ray_session(sweep_folder(base, search_space, name) / "ray.log", address, verbose):
+            summary = run_sweep(search_space, base, samples, max_concurrent, verbose, name)
     report_failures("trial", len(summary.rows), summary.failures)
     console.print(
         f"[green]best[/green] {summary.best}\nMLflow parent run {summary.parent_run_id}: "
