@@ -237,3 +237,49 @@ def test_a_one_line_error_never_ends_at_a_colon():
         "invalid config x.yaml: train.steps: too small"
     )
     assert first_line_of(RuntimeError("failed:")) == "failed (no detail given)"
+
+
+def test_joining_a_live_recorded_cluster_is_said_with_how_to_start_a_fresh_one(monkeypatch):
+    """Ray's own rule (the live cluster its current-cluster file names) is kept, and said (issue 52)."""
+    import ray
+
+    buf = io.StringIO()
+    monkeypatch.setattr(ray_connection, "console", Console(file=buf, width=300))
+    monkeypatch.setattr(ray_connection, "install_output_route", lambda: None)
+    monkeypatch.setattr(ray_connection.Joined, "address", None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    with socket.socket() as head:
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        live = f"127.0.0.1:{head.getsockname()[1]}"
+        monkeypatch.setattr(ray._private.utils, "read_ray_address", lambda *a: live)
+        ray_connection.connect_ray()
+    assert [c["address"] for c in calls] == [live] and ray_connection.Joined.address == live
+    assert buf.getvalue().strip() == (
+        f"joined the Ray cluster at {live} (the live cluster Ray's current-cluster file names); "
+        "`--address local` (or RAY_ADDRESS=local) starts a fresh local instance instead"
+    )
+
+
+def test_losing_the_joined_cluster_is_one_line_not_an_actor_traceback(tmp_path, monkeypatch):
+    from pipelines.infra.console import user_errors
+
+    gone = f"127.0.0.1:{closed_port()}"
+    monkeypatch.setattr(ray_connection, "connect_ray", lambda *a: None)
+    monkeypatch.setattr(ray_connection, "ray_output_to", lambda path: contextlib.nullcontext(path))
+    monkeypatch.setattr(ray_connection.Joined, "address", gone)
+    buf = io.StringIO()
+    monkeypatch.setattr("pipelines.infra.console.console", Console(file=buf, width=300))
+    log = tmp_path / "ray.log"
+    with pytest.raises(typer.Exit) as stop, user_errors(), ray_connection.ray_session(log):
+        raise RuntimeError(
+            "ActorDiedError: The actor died unexpectedly before finishing this task.\n\tclass_name: ProgressChannel"
+        )
+    assert stop.value.exit_code == 1
+    assert buf.getvalue().strip().splitlines()[-1] == (
+        f"error: the Ray cluster at {gone} went away (traceback in {log}); "
+        "`--address local` (or RAY_ADDRESS=local) starts a fresh local instance instead"
+    )
