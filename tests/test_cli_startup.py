@@ -54,3 +54,12 @@ def test_every_command_runs_through_the_lazy_group():
     assert result.exit_code == 0 and "--to" in result.output
     group = typer.main.get_command(app)
     assert {"train", "tune", "config", "data", "eval", "export"} <= set(group.list_commands(None))
+
+
+def test_the_readme_lists_every_command():
+    from pipelines.cli import app
+
+    readme = (ROOT / "README.md").read_text()
+    group = typer.main.get_command(app)
+    missing = [name for name in group.list_commands(None) if f"| `mdc {name}` |" not in readme]
+    assert missing == []
