@@ -1,9 +1,10 @@
 """MLflow's Model Registry: every finished training run registers its encoder, so "the encoder of
-sweep trial 7" is `models:/mdc-mdc-vit_b16/7`, not a path someone wrote down.
+sweep trial 7" is `models:/SWEEP/7`, not a path someone wrote down. One registered model per thing
+a user asks for by name: `registered_model`, else the run's name (a sweep's trials: the sweep's).
 
 A version's artifacts are the folder `mdc export` writes (the timm folder, its model card and the
-captioner in `captioner/`), logged as the run's `encoder` artifact; its tags are the run id and the
-run's headline figures under their metric keys (mdc/evaluation/suite.py `headline`:
+captioner in `captioner/`), logged as the run's `encoder` artifact; its tags are the run id, the
+data, objective and preset it was trained with, and the run's headline figures under their metric keys (mdc/evaluation/suite.py `headline`:
 eval/probe/NAME/accuracy, ...). Sweeps and plans give their best run's version the alias
 `best`. `resolve` turns `models:/NAME/VERSION` or `models:/NAME@ALIAS` into a local folder.
 """
