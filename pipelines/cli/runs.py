@@ -225,7 +225,7 @@ def scaling(
         data = run_inputs.absolute_uri(data)
         overrides = [f"data.train_uri={data}"]
         overrides += [f"{k}={v}" for k, v in {"storage_uri": storage_uri, "mlflow_uri": mlflow_uri}.items() if v]
-        base = run_inputs.absolute_paths(checked(load_config(config, overrides + list(ctx.args))))
+        base = run_inputs.absolute_paths(load_config(config, overrides + list(ctx.args)))
         size_list = experiment.parse_sizes(sizes)
         root = suite().dataset_root(data)
         manifest_uri, manifest = experiment.read_dataset_manifest(root, base.data.endpoint_url)
@@ -236,7 +236,7 @@ def scaling(
             base = derive(base, {"data.val_uri": storage.join(root, "val")})
         base = resolved(base)
         suite().require(base, "probes", "mdc scaling (its curve is the first probe's accuracy)")
-        run_inputs.check_inputs(base)  # its validation split may have changed above
+        run_inputs.check_inputs(checked(base))  # after the sizes and the manifest: what the user just named
         log = (Path(base.storage_uri) if "://" not in base.storage_uri else Path("mdc-logs")).resolve() / name
         with ray_session(log / "ray.log", address, verbose):
             rows, failures = experiment.run_scaling(base, size_list, total, name, max_concurrent)
