@@ -5,9 +5,10 @@ equals it, which tests/test_config.py checks."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -21,8 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from mdc.objectives.masked import MdcObjective
-from mdc.registry import MASKED_OBJECTIVES, OBJECTIVES
+from mdc.objectives.sections import MASKED_OBJECTIVES, SECTIONS, MdcObjective  # torch-free: a config loads fast
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"  # every command's default
 PresetName = Literal["tiny", "vit_b32", "vit_b16", "vit_l14"]
@@ -58,7 +58,7 @@ def _objective_name(raw) -> str | None:
 # One config class per objective, each with its own fields only (the registry's, in its order),
 # told apart by `name`. Union[...] of a tuple: `|` cannot join a computed number of members.
 ObjectiveConfig = Annotated[
-    Union[tuple(Annotated[entry.config, Tag(name)] for name, entry in OBJECTIVES.items())],  # noqa: UP007
+    Union[tuple(Annotated[config, Tag(name)] for name, config in SECTIONS.items())],  # noqa: UP007
     Discriminator(_objective_name),
 ]
 
@@ -351,7 +351,7 @@ class RunConfig(_Section):
     storage_uri: str = "runs/checkpoints"
     mlflow_uri: str = "sqlite:///mlflow.db"
     experiment: str = "mdc"
-    registered_model: str | None = None  # its MLflow Model Registry name; None: mdc-<objective>-<preset>
+    registered_model: str | None = None  # its MLflow Model Registry name; None: the run's (a sweep's: the sweep's)
     model: ModelConfig = ModelConfig()
     objective: ObjectiveConfig = MdcObjective()
     data: DataConfig = DataConfig()
@@ -376,7 +376,7 @@ class RunConfig(_Section):
     def _objective_needs(self) -> RunConfig:
         if self.model.predict_length and self.objective.name not in MASKED_OBJECTIVES:
             raise ValueError(f"model.predict_length applies to {MASKED_OBJECTIVES}, not {self.objective.name!r}")
-        need = OBJECTIVES[self.objective.name].time
+        need = SECTIONS[self.objective.name].time
         if self.model.time_conditioning and need == "never":
             raise ValueError(
                 f"model.time_conditioning=true needs a noise level t, which {self.objective.name!r} "
@@ -394,7 +394,7 @@ class RunConfig(_Section):
         """Whether the denoiser reads t: as set, else as the objective needs."""
         if self.model.time_conditioning is not None:
             return self.model.time_conditioning
-        return OBJECTIVES[self.objective.name].time == "required"
+        return SECTIONS[self.objective.name].time == "required"
 
     @property
     def global_batch(self) -> int:
@@ -471,8 +471,8 @@ def _override(raw: dict, pairs: list[tuple[str, Any, str]]) -> dict:
         _set(raw, dotted, value, item)
     keys = {dotted for dotted, _, _ in pairs}
     objective = raw.get("objective")
-    if "objective.name" in keys and isinstance(objective, dict) and objective.get("name") in OBJECTIVES:
-        fields = OBJECTIVES[objective["name"]].config.model_fields
+    if "objective.name" in keys and isinstance(objective, dict) and objective.get("name") in SECTIONS:
+        fields = SECTIONS[objective["name"]].model_fields
         raw["objective"] = {k: v for k, v in objective.items() if k in fields or f"objective.{k}" in keys}
     return raw
 
@@ -494,33 +494,73 @@ def _objective_error(e: dict, loc: list, msg: str, got) -> tuple[list, str, Any]
         return ["objective", "name"], f"expected one of {e['ctx']['expected_tags']}", e["ctx"]["tag"]
     if e["type"] == "union_tag_not_found":
         return loc, "expected a mapping with a name, e.g. {name: mdc}", got
-    if len(loc) < 2 or loc[1] not in OBJECTIVES:
+    if len(loc) < 2 or loc[1] not in SECTIONS:
         return loc, msg, got
     member, loc = loc[1], loc[:1] + loc[2:]
     if e["type"] == "extra_forbidden":
-        owners = [name for name, entry in OBJECTIVES.items() if loc[-1] in entry.config.model_fields]
-        msg = f"unknown field for {member!r}" + (f"; {loc[-1]} applies to {', '.join(owners)}" if owners else "")
+        owners = [name for name, config in SECTIONS.items() if loc[-1] in config.model_fields]
+        close = difflib.get_close_matches(str(loc[-1]), [f for f in SECTIONS[member].model_fields if f != "name"], 1)
+        msg = f"unknown field for {member!r}" + (
+            f"; {loc[-1]} applies to {', '.join(owners)}"
+            if owners
+            else f"; did you mean objective.{close[0]}?" * bool(close)
+        )
     return loc, msg, got
 
 
-def _explain(err: ValidationError, source: str) -> ConfigError:
-    lines = []
+def _siblings(loc: list) -> list[str]:
+    """The field names known where `loc` points (its parent's fields), for a did-you-mean."""
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        if isinstance(part, int) or not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue  # a list entry: the item model was taken at its field already
+        if part not in model.model_fields:
+            return []
+        annotation = model.model_fields[part].annotation
+        members = [annotation, *get_args(annotation)]
+        members += [inner for m in members if get_origin(m) is list for inner in get_args(m)]
+        model = next((m for m in members if isinstance(m, type) and issubclass(m, BaseModel)), None)
+    return list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
+
+
+def _did_you_mean(loc: list) -> str:
+    """`; did you mean train.steps?` for `train.stpes` (difflib's closest known field), else ''."""
+    close = difflib.get_close_matches(str(loc[-1]), _siblings(loc), n=1, cutoff=0.6)
+    return f"; did you mean {'.'.join(str(p) for p in [*loc[:-1], close[0]])}?" if close else ""
+
+
+def _explain(err: ValidationError, source: str, overrides: Mapping[str, str] = {}) -> ConfigError:
+    """One line per error, naming the field (and the override that set it); one error: one line.
+    An unknown field names the closest known one."""
+    lines, from_overrides = [], []
     for e in err.errors():
         loc, msg, got = list(e["loc"]), e["msg"].removeprefix("Value error, "), e.get("input")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
+            msg = "unknown field" + _did_you_mean(loc)
         if loc[:1] == ["objective"]:
             loc, msg, got = _objective_error(e, loc, msg, got)
-        lines.append(f"  {'.'.join(str(p) for p in loc) or '(root)'}: {msg} (got {got!r})")
-    return ConfigError(f"invalid config {source}:\n" + "\n".join(lines))
+        dotted = ".".join(str(p) for p in loc)
+        # the override that set this field, or a section above or below it
+        item = next(
+            (i for key, i in overrides.items() if f"{key}.".startswith(f"{dotted}.") or dotted.startswith(f"{key}.")),
+            None,
+        )
+        from_overrides.append(item)
+        lines.append(f"{dotted or '(root)'}: {msg} (got {got!r})")
+    what = f"config {source}"
+    if all(from_overrides):  # the file is not to blame
+        what = "override " + ", ".join(dict.fromkeys(from_overrides))
+    if len(lines) == 1:
+        return ConfigError(f"invalid {what}: {lines[0]}")
+    return ConfigError(f"invalid {what}:\n" + "\n".join(f"  {line}" for line in lines))
 
 
-def build_config(raw: dict, source: str = "<dict>") -> RunConfig:
+def build_config(raw: dict, source: str = "<dict>", overrides: Mapping[str, str] = {}) -> RunConfig:
     _refuse_moved(raw, source)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as err:
-        raise _explain(err, source) from None
+        raise _explain(err, source, overrides) from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
@@ -532,7 +572,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         raw = yaml.safe_load(path.read_text()) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
-    return build_config(apply_overrides(raw, list(overrides)), source=str(path or "<defaults>"))
+    given = {item.split("=", 1)[0]: item for item in overrides if "=" in item}
+    return build_config(apply_overrides(raw, list(overrides)), str(path or "<defaults>"), given)
 
 
 def derive(cfg: RunConfig, overrides: Mapping[str, Any] | Sequence[str] = ()) -> RunConfig:
@@ -562,8 +603,8 @@ def load_exported_config(path: str | Path) -> RunConfig:
         old_eval.setdefault("probes", [{"dataset": "shapes", "root": data_uri}])
         old_eval.setdefault("compositionality", [{"benchmark": "shapes", "root": data_uri}])
     objective = raw.get("objective")
-    if isinstance(objective, dict) and objective.get("name") in OBJECTIVES:  # the flat union: every field
-        fields = OBJECTIVES[objective["name"]].config.model_fields
+    if isinstance(objective, dict) and objective.get("name") in SECTIONS:  # the flat union: every field
+        fields = SECTIONS[objective["name"]].model_fields
         raw["objective"] = {k: v for k, v in objective.items() if k in fields}
     return build_config(raw, source=str(path))
 

@@ -21,17 +21,22 @@ from mdc import ddcap, sampling, seeding
 from mdc.models.captioner import Captioner
 from mdc.models.cdlm import DiffusionLMCaptioner
 from mdc.models.clip import ClipModel
-from mdc.objectives.autoregressive import ArObjective, CappaObjective, autoregressive_loss
+from mdc.objectives.autoregressive import autoregressive_loss
 from mdc.objectives.base import ObjectiveSection
-from mdc.objectives.cdlm import CdlmObjective, continuous_diffusion_loss
-from mdc.objectives.clip import ClipObjective, clip_loss
-from mdc.objectives.masked import (
+from mdc.objectives.cdlm import continuous_diffusion_loss
+from mdc.objectives.clip import clip_loss
+from mdc.objectives.masked import masked_diffusion_loss
+from mdc.objectives.sections import (
+    SECTIONS,
     T_MIN,
+    ArObjective,
     BertObjective,
+    CappaObjective,
+    CdlmObjective,
+    ClipObjective,
     CmlmObjective,
     MaskedObjective,
     MdcObjective,
-    masked_diffusion_loss,
 )
 
 LossFn = Callable[..., tuple[torch.Tensor, dict]]  # (model, images, tokens, objective config, generator)
@@ -89,11 +94,15 @@ class Objective:
     scorer: str  # the compositionality scorer "auto" resolves to (mdc.evaluation.compositionality)
     write: WriteFn | None  # None: the model writes no captions
     sampler: str | None = None  # the caption writer's name in reports; None: the masked sampler asked for
-    time: Literal["optional", "required", "never"] = "optional"  # model.time_conditioning; never: no t
 
     @property
     def name(self) -> str:
         return self.config.model_fields["name"].default
+
+    @property
+    def time(self) -> Literal["optional", "required", "never"]:
+        """model.time_conditioning: optional, required, or never (no t): the config class says."""
+        return self.config.time
 
     @property
     def masked(self) -> bool:
@@ -157,7 +166,6 @@ _AUTOREGRESSIVE = dict(
     scorer="ar",
     write=_write_autoregressive,
     sampler="greedy-autoregressive",
-    time="never",
 )
 
 OBJECTIVES: dict[str, Objective] = {
@@ -186,11 +194,12 @@ OBJECTIVES: dict[str, Objective] = {
             scorer="cdlm",
             write=_write_continuous,
             sampler="continuous-denoising",
-            time="required",
         ),
     )
 }
 MASKED_OBJECTIVES = tuple(name for name, o in OBJECTIVES.items() if o.masked)
+# mdc.config builds its union from the torch-free table: the same classes, in the same order
+assert {n: o.config for n, o in OBJECTIVES.items()} == SECTIONS and list(OBJECTIVES) == list(SECTIONS)
 
 
 def objective(name: str) -> Objective:

@@ -223,3 +223,30 @@ def test_config_show_lists_every_field_of_a_section_and_every_section():
             assert f"  {section}.{field}: " in every
     unknown = CliRunner().invoke(app, ["config", "show", "trian"])
     assert unknown.exit_code == 2 and "unknown config section 'trian'" in unknown.output
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (
+            ["train.stpes=3"],
+            "invalid override train.stpes=3: train.stpes: unknown field; did you mean train.steps? (got 3)",
+        ),
+        (
+            ["trian.steps=3"],
+            "invalid override trian.steps=3: trian: unknown field; did you mean train? (got {'steps': 3})",
+        ),
+        (["objective.omga_l=0.2"], "objective.omga_l: unknown field for 'mdc'; did you mean objective.omega_l?"),
+        (
+            ["eval.probes=[{dataset: cifar10, root: /x, nme: a}]"],
+            "eval.probes.0.nme: unknown field; did you mean eval.probes.0.name?",
+        ),
+        (["train.zzzz=1"], "invalid override train.zzzz=1: train.zzzz: unknown field (got 1)"),
+    ],
+)
+def test_an_unknown_field_names_the_override_and_the_closest_known_field(overrides, line):
+    """One line, the override blamed (not the config file), pydantic-style did-you-mean (difflib)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(DEFAULT_CONFIG, overrides)
+    assert line in str(err.value) and "\n" not in str(err.value)
+    assert "demo.yaml" not in str(err.value)

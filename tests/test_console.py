@@ -39,8 +39,9 @@ def test_data_without_val_trains_without_the_configs_validation_split(tmp_path, 
     """`--data X` alone must not validate on the demo config's runs/shapes/val (absent here)."""
     import pipelines.run.driver
 
-    (tmp_path / "train").mkdir()
-    (tmp_path / "VAL").mkdir()
+    for folder in ("train", "VAL"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "00000.tar").write_bytes(b"")  # a shard's name: the checks list, never read it
     monkeypatch.chdir(tmp_path)
     seen = {}
 
@@ -219,3 +220,66 @@ def test_ray_output_goes_to_the_log_and_mdc_lines_to_the_console_once(tmp_path, 
     ):
         assert line in text
     assert ray_worker.print_to_stdstream.__name__ == "print_to_stdstream"  # put back
+
+
+def test_a_one_line_error_never_ends_at_a_colon():
+    """Ray's dashboard failure quotes a log after a colon: the line keeps the log's last line (issue 52)."""
+    from pipelines.infra.console import first_line_of
+
+    log = "\n".join(f"2026-12-07 dashboard line {i}" for i in range(19)) + "\nOSError: [Errno 98] address in use"
+    dashboard = Exception(
+        f"The last 20 lines of /tmp/ray/session/logs/dashboard.log (it contains the error message from the dashboard):\n{log}"
+    )
+    line = first_line_of(dashboard)
+    assert line.startswith("The last 20 lines of /tmp/ray/session/logs/dashboard.log")
+    assert line.endswith("OSError: [Errno 98] address in use") and "\n" not in line
+    assert first_line_of(ValueError("invalid config x.yaml:\n  train.steps: too small")) == (
+        "invalid config x.yaml: train.steps: too small"
+    )
+    assert first_line_of(RuntimeError("failed:")) == "failed (no detail given)"
+
+
+def test_joining_a_live_recorded_cluster_is_said_with_how_to_start_a_fresh_one(monkeypatch):
+    """Ray's own rule (the live cluster its current-cluster file names) is kept, and said (issue 52)."""
+    import ray
+
+    buf = io.StringIO()
+    monkeypatch.setattr(ray_connection, "console", Console(file=buf, width=300))
+    monkeypatch.setattr(ray_connection, "install_output_route", lambda: None)
+    monkeypatch.setattr(ray_connection.Joined, "address", None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    with socket.socket() as head:
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        live = f"127.0.0.1:{head.getsockname()[1]}"
+        monkeypatch.setattr(ray._private.utils, "read_ray_address", lambda *a: live)
+        ray_connection.connect_ray()
+    assert [c["address"] for c in calls] == [live] and ray_connection.Joined.address == live
+    assert buf.getvalue().strip() == (
+        f"joined the Ray cluster at {live} (the live cluster Ray's current-cluster file names); "
+        "`--address local` (or RAY_ADDRESS=local) starts a fresh local instance instead"
+    )
+
+
+def test_losing_the_joined_cluster_is_one_line_not_an_actor_traceback(tmp_path, monkeypatch):
+    from pipelines.infra.console import user_errors
+
+    gone = f"127.0.0.1:{closed_port()}"
+    monkeypatch.setattr(ray_connection, "connect_ray", lambda *a: None)
+    monkeypatch.setattr(ray_connection, "ray_output_to", lambda path: contextlib.nullcontext(path))
+    monkeypatch.setattr(ray_connection.Joined, "address", gone)
+    buf = io.StringIO()
+    monkeypatch.setattr("pipelines.infra.console.console", Console(file=buf, width=300))
+    log = tmp_path / "ray.log"
+    with pytest.raises(typer.Exit) as stop, user_errors(), ray_connection.ray_session(log):
+        raise RuntimeError(
+            "ActorDiedError: The actor died unexpectedly before finishing this task.\n\tclass_name: ProgressChannel"
+        )
+    assert stop.value.exit_code == 1
+    assert buf.getvalue().strip().splitlines()[-1] == (
+        f"error: the Ray cluster at {gone} went away (traceback in {log}); "
+        "`--address local` (or RAY_ADDRESS=local) starts a fresh local instance instead"
+    )

@@ -16,7 +16,7 @@ from pipelines.cli import app
 from pipelines.infra import tracking
 from pipelines.run import model_registry
 
-NAME = "mdc-mdc-tiny"
+NAME = "shapes-sweep"  # the trials of one sweep: versions of its model
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def registry(tmp_path_factory):
     runs = {}
     for seed, (name, accuracy) in enumerate((("run-a", 0.61), ("run-b", 0.74))):
         checkpoint = root / "checkpoints" / name / "checkpoint_00000010"
-        run_cfg = cfg.model_copy(update={"name": name})
+        run_cfg = cfg.model_copy(update={"name": name, "registered_model": NAME})
         export_weights(checkpoint, probe.random_init(run_cfg, seed=seed).state_dict(), dump_config(run_cfg))
         (checkpoint / "complete.json").write_text(json.dumps({"step": 10, "ranks": [0], "files": {}}))
         run_id = tracking.get_or_create_run(uri, "mdc", name, run_cfg.model_dump())

@@ -6,6 +6,7 @@ from helpers import ConstantNLL, same_under_meta_default_device
 from torch import nn
 
 import mdc.objectives.masked as objectives
+import mdc.objectives.noise as noise  # where the masked configs draw t (mdc/objectives/sections.py)
 import mdc.objectives.positions as positions
 from mdc.config import RunConfig, derive
 from mdc.objectives.autoregressive import ArObjective, CappaObjective, autoregressive_io, autoregressive_loss
@@ -63,7 +64,7 @@ MASKED = torch.tensor(
 @pytest.fixture
 def fixed_draws(monkeypatch):
     """t and the mask as chosen above, whatever the objective would have drawn."""
-    monkeypatch.setattr(objectives, "sample_t", lambda n, *args, **kwargs: T.clone())
+    monkeypatch.setattr(noise, "sample_t", lambda n, *args, **kwargs: T.clone())
     monkeypatch.setattr(
         objectives,
         "mask_tokens",
@@ -98,7 +99,7 @@ def test_mdc_loss_of_a_caption_with_nothing_masked_is_zero(monkeypatch):
     normaliser (E[(1/t)·#masked] = N is what makes the estimate unbiased)."""
     masked = MASKED.clone()
     masked[1] = False
-    monkeypatch.setattr(objectives, "sample_t", lambda n, *args, **kwargs: T.clone())
+    monkeypatch.setattr(noise, "sample_t", lambda n, *args, **kwargs: T.clone())
     monkeypatch.setattr(
         objectives,
         "mask_tokens",
@@ -184,7 +185,7 @@ def test_bert_uses_the_fixed_ratio(monkeypatch):
     def no_sampling(*args, **kwargs):
         raise AssertionError("bert must not sample t")
 
-    monkeypatch.setattr(objectives, "sample_t", no_sampling)
+    monkeypatch.setattr(noise, "sample_t", no_sampling)
     tokens = torch.randint(0, 4, (500, 40), generator=torch.Generator().manual_seed(1))
     model = StubModel(random_table(40))
     _, metrics = masked_diffusion_loss(
@@ -460,7 +461,7 @@ def test_only_the_rows_with_nothing_masked_get_a_forced_mask():
 def test_nll_masked_is_the_mean_nll_over_masked_tokens(monkeypatch):
     table = random_table(3, 5)
     for mask in (MASKED, torch.zeros_like(MASKED).index_put_((torch.tensor(1), torch.tensor(2)), torch.tensor(True))):
-        monkeypatch.setattr(objectives, "sample_t", lambda n, *args, **kwargs: T.clone())
+        monkeypatch.setattr(noise, "sample_t", lambda n, *args, **kwargs: T.clone())
         monkeypatch.setattr(
             objectives,
             "mask_tokens",

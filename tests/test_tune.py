@@ -66,6 +66,32 @@ def test_cli_rejects_bad_space_before_ray(tmp_path, ray_forbidden):
     assert "objective.nme" in result.output
 
 
+def test_tune_name_names_the_sweep_and_verbose_alone_shows_tunes_tables(tmp_path, shapes_dir, monkeypatch):
+    """`mdc tune --name birds`: the sweep's folder and name, not RUN-SPACE; Ray Tune's own tables
+    (its `verbose`) only with --verbose. Ray-free: the sweep itself is replaced."""
+    import contextlib
+
+    import pipelines.commands.tune as tune_command
+    from pipelines.infra import ray_connection
+
+    seen = []
+    monkeypatch.setattr(
+        ray_connection, "ray_session", lambda log, *a, **k: seen.append(log) or contextlib.nullcontext()
+    )
+
+    def sweep(space, base, samples, max_concurrent, verbose, name):
+        seen.append((tune_command.sweep_name(base, space, name), verbose))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(tune_command, "run_sweep", sweep)
+    args = ["tune", "--space", "tune_spaces/noise_schedule.yaml", f"storage_uri={tmp_path}"]
+    args += [f"data.train_uri={shapes_dir / 'train'}", f"data.val_uri={shapes_dir / 'val'}"]
+    CliRunner().invoke(app, [*args, "--name", "birds"])
+    CliRunner().invoke(app, [*args, "--verbose"])
+    assert seen[:2] == [tmp_path / "sweeps" / "birds" / "ray.log", ("birds", False)]
+    assert seen[3] == ("mdc-demo-noise_schedule", True)
+
+
 def test_random_space_never_proposes_an_empty_interval():
     import random
 
@@ -211,3 +237,8 @@ def test_sweep_whose_trials_all_fail_exits_non_zero(ray_cluster, shapes_dir, tmp
     [line] = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert "all 2 trials failed" in line and "does not exist" in line and "gone-" in line, result.output
     assert "Traceback" not in result.output
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # MLflow tells the truth (issue 52)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    [parent] = [r for r in runs if r.data.tags.get("run_name", "").startswith("sweep-")]
+    assert parent.info.status == "FAILED" and all(r.info.status != "RUNNING" for r in runs)
+    assert client.search_model_versions() == []

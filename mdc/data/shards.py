@@ -329,8 +329,40 @@ def list_shards(uri: str, format: ShardFormat = "auto", endpoint_url: str | None
     found = [f for f in files if wanted(f)]
     if not found:
         kinds = {"webdataset": ".tar", "parquet": ".parquet", "auto": ".tar or .parquet"}[format]
-        raise storage.StorageError(f"no {kinds} shards under {uri} (data.format={format})")
+        raise storage.StorageError(
+            f"no {kinds} shards under {uri} (data.format={format}); {holdings(uri, endpoint_url)}: mdc reads "
+            "webdataset .tar or .parquet shards, as img2dataset writes them (docs/training.md)"
+        )
     return found
+
+
+def holdings(uri: str, endpoint_url: str | None = None) -> str:
+    """What a folder holds, for an error: `it holds 3 .jpg, 1 .txt` or `it is empty`."""
+    counts = Counter(
+        posixpath.splitext(f)[1].lower() or "(no suffix)" for f in storage.list_files(uri, (), endpoint_url)
+    )
+    if not counts:
+        return "it is empty"
+    return "it holds " + ", ".join(f"{n} {suffix}" for suffix, n in counts.most_common(4))
+
+
+def known_size(uri: str, files: list[str], endpoint_url: str | None = None) -> tuple[int, str] | None:
+    """(samples, where that figure is from) of a training folder when a side file says it without
+    reading the images: img2dataset's `_stats.json`, else the Parquet data shards' footers (one small
+    read each, for up to 64 shards). None when neither says (tars without `_stats.json`)."""
+    total = stats_total(uri, endpoint_url)
+    if total is not None:
+        return total, IMG2DATASET_STATS
+    if not files or len(files) > 64 or not all(f.endswith(".parquet") for f in files):
+        return None
+    rows = 0
+    for f in files:
+        fs, path = storage.open_fs(f, endpoint_url)
+        try:
+            rows += pq.read_metadata(path, filesystem=fs).num_rows
+        except (OSError, pa.ArrowInvalid):  # a damaged shard: the reader counts and skips it later
+            return None
+    return rows, f"the footers of its {len(files)} Parquet shards"
 
 
 def read_shards(

@@ -7,27 +7,12 @@ teacher forcing adds them here.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
-
 import torch
-from pydantic import Field
 
-from mdc.objectives.base import ObjectiveSection
 from mdc.objectives.positions import position_nll, projected
+from mdc.objectives.sections import ArObjective, CappaObjective  # torch-free; re-exported here
 
-
-class ArObjective(ObjectiveSection):
-    """Cap: next-token prediction only, no parallel rows."""
-
-    name: Literal["ar"] = "ar"
-    parallel_prob: ClassVar[float] = 0.0
-
-
-class CappaObjective(ObjectiveSection):
-    name: Literal["cappa"] = "cappa"
-    parallel_prob: float = Field(
-        0.75, ge=0.0, le=1.0, description="share of captions trained by parallel prediction from all-[MASK] inputs"
-    )
+__all__ = ["ArObjective", "CappaObjective", "autoregressive_io", "autoregressive_loss"]
 
 
 def autoregressive_io(tokens: torch.Tensor, bos_id: int, eos_id: int, pad_id: int):

@@ -3,18 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
-from mdc.objectives.base import ObjectiveSection
+from mdc.objectives.sections import CdlmObjective  # torch-free; re-exported here
 
-
-class CdlmObjective(ObjectiveSection):
-    """CLIP-Diffusion-LM has no setting of its own: t ~ U[0, 1]."""
-
-    name: Literal["cdlm"] = "cdlm"
+__all__ = ["CdlmObjective", "continuous_diffusion_loss"]
 
 
 def continuous_diffusion_loss(model, images, tokens, generator=None):

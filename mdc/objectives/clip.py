@@ -3,18 +3,12 @@ cross-entropy, learned temperature) over the local batch of a `mdc.models.clip.C
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from open_clip.loss import ClipLoss
 
-from mdc.objectives.base import ObjectiveSection
+from mdc.objectives.sections import ClipObjective  # torch-free; re-exported here
 
-
-class ClipObjective(ObjectiveSection):
-    """CLIP has no setting of its own."""
-
-    name: Literal["clip"] = "clip"
+__all__ = ["ClipObjective", "clip_loss"]
 
 
 def clip_loss(model, images, tokens):

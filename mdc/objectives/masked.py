@@ -14,33 +14,29 @@ has unbounded variance as t → 0, and the interval below ε holds a share ε of
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import ClassVar, Literal
-
 import torch
-from pydantic import Field, model_validator
 
 from mdc import ddcap
-from mdc.objectives.base import ObjectiveSection
+from mdc.objectives.noise import sample_t
 from mdc.objectives.positions import position_nll, projected
+from mdc.objectives.sections import (  # the config classes, torch-free; re-exported here
+    T_MIN,
+    BertObjective,
+    CmlmObjective,
+    MaskedObjective,
+    MdcObjective,
+)
 
-T_MIN = 1e-3  # the smallest noise level the ELBO estimators draw (MDLM's sampling_eps)
-
-
-def sample_t(
-    n: int,
-    omega_l: float,
-    omega_u: float,
-    antithetic: bool = True,
-    generator: torch.Generator | None = None,
-    device=None,
-) -> torch.Tensor:
-    """t ~ U[ω_l, ω_u]. Antithetic: one draw per stratum [i/n, (i+1)/n) of the interval, a
-    low-discrepancy batch that lowers the variance of the loss estimate (MDLM)."""
-    u = torch.rand(n, generator=generator, device=device)
-    if antithetic:
-        u = (torch.arange(n, device=device) + u) / n
-    return omega_l + (omega_u - omega_l) * u
+__all__ = [
+    "T_MIN",
+    "BertObjective",
+    "CmlmObjective",
+    "MaskedObjective",
+    "MdcObjective",
+    "sample_t",
+    "mask_tokens",
+    "masked_diffusion_loss",
+]
 
 
 def mask_tokens(
@@ -62,73 +58,6 @@ def mask_tokens(
         pick = torch.where(real, u, torch.inf).argmin(dim=1)  # a uniformly random real position
         masked = masked | ((torch.arange(tokens.shape[1], device=tokens.device) == pick[:, None]) & empty[:, None])
     return torch.where(masked, mask_id, tokens), masked
-
-
-class MaskedObjective(ObjectiveSection, ABC):
-    """The masked family: what its members differ in is how t is drawn (`noise_levels`) and how the
-    per-token losses make the loss (`reduce`); this default, the mean over masked tokens, needs a
-    masked token per caption, so one is forced (`force_one`)."""
-
-    force_one: ClassVar[bool] = True
-    image_free_prob: float = Field(
-        0.0, ge=0.0, lt=1.0, description="DDCap: share of captions trained with the learned null image instead of V"
-    )
-
-    @property
-    def null_image(self) -> bool:
-        return self.image_free_prob > 0
-
-    @abstractmethod
-    def noise_levels(self, n: int, generator: torch.Generator | None, device) -> torch.Tensor:
-        """(n,) masking rates t, one per caption."""
-
-    def reduce(self, nll: torch.Tensor, t: torch.Tensor, count: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """The loss of per-position NLLs (B, L) (0 where not masked): their mean over the `count`
-        masked tokens (`real`: the batch's non-pad tokens)."""
-        return nll.sum() / count
-
-
-class _SampledT(MaskedObjective):
-    """t ~ U[max(ω_l, T_MIN), ω_u] per caption, stratified by default."""
-
-    omega_l: float = Field(0.5, ge=0.0, le=1.0, description="t's interval, low end (T_MIN at least)")
-    omega_u: float = Field(1.0, ge=0.0, le=1.0, description="t's interval, high end")
-    antithetic: bool = Field(True, description="one t per stratum of the interval (MDLM): a lower-variance loss")
-
-    @model_validator(mode="after")
-    def _schedule(self):
-        if self.omega_l >= self.omega_u:
-            raise ValueError(f"omega_l must be < omega_u, got {self.omega_l} >= {self.omega_u}")
-        return self
-
-    def noise_levels(self, n, generator, device):
-        return sample_t(n, max(self.omega_l, T_MIN), self.omega_u, self.antithetic, generator, device)
-
-
-class MdcObjective(_SampledT):
-    """The ELBO: 1/t-weighted, normalised by non-pad tokens, nothing forced (it would bias it)."""
-
-    name: Literal["mdc"] = "mdc"
-    force_one: ClassVar[bool] = False
-
-    def reduce(self, nll, t, count, real):
-        return ((1.0 / t)[:, None] * nll).sum() / real
-
-
-class CmlmObjective(_SampledT):
-    """MDC's "no t" ablation: the same t, the weight dropped, the mean over masked tokens."""
-
-    name: Literal["cmlm"] = "cmlm"
-
-
-class BertObjective(MaskedObjective):
-    """Image-conditioned BERT: a fixed ratio instead of a sampled t, the mean over masked tokens."""
-
-    name: Literal["bert"] = "bert"
-    mask_ratio: float = Field(0.15, gt=0.0, le=1.0, description="the share of tokens masked")
-
-    def noise_levels(self, n, generator, device):
-        return torch.full((n,), float(self.mask_ratio), device=device)
 
 
 def masked_diffusion_loss(model, images, tokens, objective: MaskedObjective, generator=None):

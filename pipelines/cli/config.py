@@ -10,8 +10,8 @@ import typer
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from mdc import registry
 from mdc.config import ConfigError, RunConfig
+from mdc.objectives.sections import SECTIONS as OBJECTIVES  # the names, without torch
 from pipelines.infra.console import console, user_errors
 
 config_app = typer.Typer(no_args_is_help=True, help="What a run config can hold.")
@@ -63,6 +63,8 @@ def field_line(path: str, field: FieldInfo) -> str:
 
 def objective_lines(name: str) -> list[str]:
     """The objective's summary, then its own fields (`name` apart)."""
+    from mdc import registry  # the summaries sit beside the models: torch, only for this section
+
     entry = registry.objective(name)
     fields = [field_line(f"objective.{key}", f) for key, f in entry.config.model_fields.items() if key != "name"]
     return [f"objective.name={name}: {entry.summary}", *(fields or ["  (no fields of its own)"])]
@@ -71,7 +73,7 @@ def objective_lines(name: str) -> list[str]:
 def section_lines(section: str) -> list[str]:
     """The section's purpose (its class's docstring, first line), then its fields."""
     if section == "objective":
-        return [line for name in registry.OBJECTIVES for line in objective_lines(name)]
+        return [line for name in OBJECTIVES for line in objective_lines(name)]
     if section not in SECTIONS:
         raise ConfigError(f"unknown config section {section!r}: one of {', '.join(['objective', *SECTIONS])}")
     cls = SECTIONS[section]
@@ -85,7 +87,7 @@ def section_lines(section: str) -> list[str]:
 @config_app.command("show")
 def show(
     section: Optional[str] = typer.Argument(None, help="a config section (train, workers, ...); default: all"),
-    objective: Optional[str] = typer.Option(None, help=f"one of {', '.join(registry.OBJECTIVES)}: its own fields"),
+    objective: Optional[str] = typer.Option(None, help=f"one of {', '.join(OBJECTIVES)}: its own fields"),
 ):
     """Each config section's fields (an objective's own with --objective): type, default, bounds and
     what it is for."""

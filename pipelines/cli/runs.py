@@ -16,10 +16,10 @@ from rich.table import Table
 
 from mdc.config import DEFAULT_CONFIG, derive, load_config
 from mdc.data import storage
-from mdc.registry import OBJECTIVES
+from mdc.objectives.sections import SECTIONS as OBJECTIVES  # the names, without torch
 from pipelines.commands.search_space import load_space, ranking
-from pipelines.infra import ray_connection, ray_output, run_inputs
-from pipelines.infra.console import VERBOSE_OPTION, Settings, console, report_failures, user_errors
+from pipelines.infra import run_inputs
+from pipelines.infra.console import VERBOSE_OPTION, Settings, console, report_failures, user_errors, warn
 
 
 def suite():
@@ -34,6 +34,22 @@ def resolved(cfg):
     """The config with its eval section concrete (the training data's defaults, absolute folders),
     checked: a missing probe or an unreachable benchmark is one line before Ray starts."""
     return suite().resolve_section(cfg)
+
+
+def ray_session(log_file: Path, address: str | None, verbose: bool):
+    """pipelines.infra.ray_connection.ray_session, Ray imported only now: after a command's checks."""
+    from pipelines.infra import ray_connection  # Ray: seconds to import
+
+    return ray_connection.ray_session(log_file, address, verbose)
+
+
+def checked(cfg):
+    """`cfg` once everything it and its data's side files tell is checked (pipelines/infra/run_inputs.py):
+    a mistake is one line in seconds, before torch, Ray or MLflow is imported; a warning is said."""
+    run_inputs.check_data(cfg)
+    for line in run_inputs.config_warnings(cfg):
+        warn(line)
+    return cfg
 
 
 MAX_CONCURRENT_HELP = "runs at once (default: as many as the cluster's free CPUs/GPUs hold; 1 on a 2-core machine)"
@@ -71,13 +87,13 @@ def train(
         if value is not None:
             overrides.append(f"{key}={value}")
     with user_errors():
-        cfg = resolved(run_inputs.absolute_paths(load_config(config, overrides)))
-        run_inputs.check_inputs(cfg)
-        # the Ray program: seconds to import, so after the checks
-        from pipelines.run.concurrency import interruptible
+        cfg = resolved(run_inputs.absolute_paths(checked(load_config(config, overrides))))
+        suite().check_section(cfg.eval, cfg.data.endpoint_url)  # the sets it names, before Ray starts
+        from pipelines.infra.ray_output import run_log_path  # Ray: seconds to import, so after the checks
+        from pipelines.run.concurrency import interruptible  # the Ray program: seconds to import, so after the checks
         from pipelines.run.driver import run_training
 
-        with ray_connection.ray_session(ray_output.run_log_path(cfg), address, verbose):
+        with ray_session(run_log_path(cfg), address, verbose):
             summary = interruptible(lambda: run_training(cfg))  # Ctrl-C: MLflow KILLED, out at once
     console.print(
         f"[green]done[/green] {summary.run_name}: loss {summary.metrics.get('loss', float('nan')):.4f}, "
@@ -93,24 +109,28 @@ def tune(
     config: Path = typer.Option(DEFAULT_CONFIG, help="base run config"),
     samples: Optional[int] = typer.Option(None, help="trials for a random space"),
     max_concurrent: Optional[int] = typer.Option(None, min=1, help=MAX_CONCURRENT_HELP.replace("runs", "trials")),
+    name: Optional[str] = typer.Option(
+        None, help="the sweep's name: its folder, MLflow parent run and registered model (default: RUN-SPACE)"
+    ),
     address: Optional[str] = None,
-    verbose: bool = VERBOSE_OPTION,
+    verbose: bool = typer.Option(False, "--verbose", help="Ray's own output, Ray Tune's status tables and tracebacks"),
 ):
-    """Sweep a search space with Ray Tune (ASHA); every trial an MLflow child run. Extra
-    arguments are `section.key=value` overrides of the base config."""
+    """Sweep a search space with Ray Tune (ASHA); every trial an MLflow child run and one progress
+    line. Extra arguments are `section.key=value` overrides of the base config."""
     Settings.verbose = verbose
     with user_errors():
-        base = run_inputs.absolute_paths(load_config(config, list(ctx.args)))
-        base = resolved(base)
-        search_space = ranking(load_space(space, base), base)
-        run_inputs.check_inputs(base)
+        base = load_config(config, list(ctx.args))
+        search_space = load_space(space, base)  # a mistake in the space first: it is what the user just wrote
+        base = resolved(run_inputs.absolute_paths(checked(base)))
+        search_space = ranking(search_space, base)
+        suite().check_section(base.eval, base.data.endpoint_url)
         from pipelines.commands.tune import (  # the Ray program: seconds to import, so after the checks
             run_sweep,
             sweep_folder,
         )
 
-        with ray_connection.ray_session(sweep_folder(base, search_space) / "ray.log", address, verbose):
-            summary = run_sweep(search_space, base, samples, max_concurrent)
+        with ray_session(sweep_folder(base, search_space, name) / "ray.log", address, verbose):
+            summary = run_sweep(search_space, base, samples, max_concurrent, verbose, name)
     report_failures("trial", len(summary.rows), summary.failures)
     console.print(
         f"[green]best[/green] {summary.best}\nMLflow parent run {summary.parent_run_id}: "
@@ -168,12 +188,13 @@ def compare(
             data = run_inputs.absolute_uri(data)
             storage.check_reachable(data, base.data.endpoint_url)
             train = suite().training_split(data, base.data.endpoint_url)
-            probe_cfg = resolved(derive(base, {"data.train_uri": train, "data.val_uri": None}))  # what judges the runs
+            probe_cfg = checked(derive(base, {"data.train_uri": train, "data.val_uri": None}))
+            probe_cfg = resolved(probe_cfg)  # what judges the runs
             suite().require(probe_cfg, "probes", "mdc compare (its table's first column)")
         workdir = workdir.resolve()
         from pipelines.commands.compare import run_compare  # the Ray program: seconds to import, so after the checks
 
-        with ray_connection.ray_session(workdir / "ray.log", address, verbose):
+        with ray_session(workdir / "ray.log", address, verbose):
             rows, failures = run_compare(
                 names, workdir, data, config, overrides, name, console=console, max_concurrent=max_concurrent
             )
@@ -216,9 +237,9 @@ def scaling(
             base = derive(base, {"data.val_uri": storage.join(root, "val")})
         base = resolved(base)
         suite().require(base, "probes", "mdc scaling (its curve is the first probe's accuracy)")
-        run_inputs.check_inputs(base)
+        run_inputs.check_inputs(checked(base))  # after the sizes and the manifest: what the user just named
         log = (Path(base.storage_uri) if "://" not in base.storage_uri else Path("mdc-logs")).resolve() / name
-        with ray_connection.ray_session(log / "ray.log", address, verbose):
+        with ray_session(log / "ray.log", address, verbose):
             rows, failures = experiment.run_scaling(base, size_list, total, name, max_concurrent)
     report_failures("size", len(size_list), [f.as_tuple() for f in failures])
 
@@ -260,7 +281,7 @@ def study(
         configs = studies.run_configs(parsed, plan, directory)
         studies.check_data(parsed)
         studies.check_sets(configs, directory)
-        with ray_connection.ray_session(directory / "ray.log", address, verbose):
+        with ray_session(directory / "ray.log", address, verbose):
             claims, failures = studies.run_study(parsed, plan, directory, max_concurrent)
     report_failures("run", len(parsed.arms) * len(parsed.seeds), [f.as_tuple() for f in failures])
     if failures:

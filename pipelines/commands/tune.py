@@ -53,15 +53,16 @@ class SweepSummary:
     failures: list[tuple[str, str, str]]  # (trial, its error's line, where the full error is)
 
 
-def sweep_name(base_cfg: RunConfig, space: SearchSpace) -> str:
-    return f"{base_cfg.name}-{space.name}"
+def sweep_name(base_cfg: RunConfig, space: SearchSpace, name: str | None = None) -> str:
+    """`mdc tune --name`, else RUN-SPACE (the base config's run name and the space's)."""
+    return name or f"{base_cfg.name}-{space.name}"
 
 
-def sweep_folder(base_cfg: RunConfig, space: SearchSpace) -> Path:
+def sweep_folder(base_cfg: RunConfig, space: SearchSpace, name: str | None = None) -> Path:
     """The sweep's local folder (Ray Tune's experiment folder, or ./mdc-logs for S3 storage)."""
     if "://" in base_cfg.storage_uri:
-        return Path("mdc-logs", sweep_name(base_cfg, space)).resolve()
-    return Path(base_cfg.storage_uri, "sweeps", sweep_name(base_cfg, space)).resolve()
+        return Path("mdc-logs", sweep_name(base_cfg, space, name)).resolve()
+    return Path(base_cfg.storage_uri, "sweeps", sweep_name(base_cfg, space, name)).resolve()
 
 
 def trial_run_name(sweep: str, trial_id: str) -> str:
@@ -75,6 +76,7 @@ def run_trial(config: dict, base: dict, parent_run_id: str, sweep: str, channel)
     point = config["point"]
     cfg = build_config(apply_overrides(_copy(base), to_override_list(point)))
     cfg.name = trial_run_name(sweep, tune.get_context().get_trial_id())
+    cfg.registered_model = cfg.registered_model or sweep  # the trials are versions of the sweep's model
     result = train_and_evaluate(cfg, parent_run_id, channel, ray_callbacks=[TuneReportCallback()])
     headline = suite.headline(result["metrics"])
     progress.Reporter(channel, cfg.name, cfg.train.steps).note(", ".join(f"{k} {v:.3f}" for k, v in headline.items()))
@@ -89,9 +91,10 @@ def build_tuner(
     max_concurrent: int,
     channel,
     verbose: bool = False,
+    name: str | None = None,
 ) -> tune.Tuner:
     base = base_cfg.model_dump()
-    sweep = sweep_name(base_cfg, space)
+    sweep = sweep_name(base_cfg, space, name)
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, base=base, parent_run_id=parent_run_id, sweep=sweep, channel=channel),
         TRIAL_DRIVER,
@@ -189,6 +192,7 @@ def run_sweep(
     num_samples: int | None = None,
     max_concurrent: int | None = None,
     verbose: bool = False,
+    name: str | None = None,
 ) -> SweepSummary:
     """The sweep, `max_concurrent` trials at once (default: as many as the cluster's free
     resources hold, pipelines.run.concurrency.fitting_runs); Ray Tune places them."""
@@ -198,7 +202,7 @@ def run_sweep(
         max_concurrent = concurrency.fitting_runs([base_cfg] * trial_count(space, num_samples))
         console.print(f"{max_concurrent} trial(s) at once: what the cluster's free resources hold", highlight=False)
     mlflow_uri = tracking.absolute_tracking_uri(base_cfg.mlflow_uri)
-    sweep = sweep_name(base_cfg, space)
+    sweep = sweep_name(base_cfg, space, name)
     parent = tracking.get_or_create_run(
         mlflow_uri,
         base_cfg.experiment,
@@ -208,9 +212,19 @@ def run_sweep(
             "base": base_cfg.model_dump(),
         },
     )
+    with tracking.ended_on_error(mlflow_uri, parent):  # the parent is never left RUNNING
+        summary = _sweep(space, base_cfg, parent, num_samples, max_concurrent, verbose, sweep)
+    tracking.finish_run(mlflow_uri, parent, "FAILED" if summary.failures else "FINISHED")
+    return summary
+
+
+def _sweep(space, base_cfg, parent, num_samples, max_concurrent, verbose, sweep: str) -> SweepSummary:
+    """The trials run, their table and the best logged to the parent run, the best aliased."""
+    mlflow_uri = tracking.absolute_tracking_uri(base_cfg.mlflow_uri)
     channel = progress.open_channel()
     with progress.ProgressDisplay(channel, console):
-        results = build_tuner(space, base_cfg, parent, num_samples, max_concurrent, channel, verbose).fit()
+        tuner = build_tuner(space, base_cfg, parent, num_samples, max_concurrent, channel, verbose, sweep)
+        results = tuner.fit()
     rows = results_rows(results, space)
     tracking.kill_children(
         mlflow_uri, parent, {trial_run_name(sweep, r["trial_id"]) for r in rows if r["stopped_early"]}
@@ -228,7 +242,6 @@ def run_sweep(
     model_registry.alias_best(
         mlflow_uri, {trial_run_name(sweep, r["trial_id"]): sign * r[space.rank_by] for r in ranked}
     )
-    tracking.finish_run(mlflow_uri, parent)
     failures = [
         (r["trial_id"] or posixpath.basename(posixpath.dirname(r["error_file"])), r["error"], r["error_file"])
         for r in rows

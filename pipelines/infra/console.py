@@ -4,6 +4,7 @@ as one line with exit code 2 instead of a traceback, and failed runs as one line
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import typer
 from rich.console import Console
@@ -11,7 +12,6 @@ from rich.text import Text
 
 from mdc.config import ConfigError
 from mdc.data.storage import StorageError
-from mdc.evaluation.readers import DatasetFormatError
 
 console = Console(soft_wrap=True)
 
@@ -30,7 +30,10 @@ class UserError(ValueError):
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    return UserError, ConfigError, StorageError, DatasetFormatError
+    """The user-error classes; the dataset readers' only once loaded (torchvision: seconds to import,
+    and a process that never loaded them cannot have raised their error)."""
+    readers = sys.modules.get("mdc.evaluation.readers")
+    return UserError, ConfigError, StorageError, *((readers.DatasetFormatError,) if readers else ())
 
 
 def warn(message: str) -> None:
@@ -70,7 +73,21 @@ def first_line_of(error: object) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         return type(error).__name__
-    return lines[-1] if any(line.startswith('File "') for line in lines) else lines[0]
+    if any(line.startswith('File "') for line in lines):
+        return lines[-1]
+    return never_at_a_colon(lines)
+
+
+def never_at_a_colon(lines: list[str]) -> str:
+    """The first line, and when it ends at a colon (Ray's "The last 20 lines of …/dashboard.log (it
+    contains the error message from the dashboard):") the cause after it: the next line, or for a
+    quoted log the last one, where a log's error is. Nothing after it: the colon goes."""
+    head, rest = lines[0], lines[1:]
+    if not head.endswith(":"):
+        return head
+    if not rest:
+        return head.rstrip(":") + " (no detail given)"
+    return f"{head} {rest[0]}" if len(rest) == 1 else f"{head} [...] {rest[-1]}"
 
 
 class RunFailed(Exception):

@@ -20,6 +20,13 @@ from pipelines.infra.console import RunFailed, UserError, console, first_line_of
 from pipelines.infra.ray_output import install_output_route, ray_output_to
 
 PROBE_TIMEOUT_S = 3.0
+FRESH_HINT = "`--address local` (or RAY_ADDRESS=local) starts a fresh local instance instead"
+
+
+class Joined:
+    """The cluster this process joined rather than started (None: its own local instance)."""
+
+    address: str | None = None
 
 
 def _answers(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
@@ -60,9 +67,10 @@ def send_token() -> None:
     ray_private.reread_config()  # Ray read its config at import: read it again with the mode set
 
 
-def _join(address: str) -> None:
-    """ray.init on a cluster that answers; a refusal (Ray says only that it failed, after ~20 s of
-    retries) is one line on how to give the token, since the address itself answered."""
+def _join(address: str, why: str) -> None:
+    """ray.init on a cluster that answers, said in one line (`why`: what named it); a refusal (Ray
+    says only that it failed, after ~20 s of retries) is one line on how to give the token, since
+    the address itself answered."""
     send_token()
     try:
         ray.init(address=address)
@@ -73,6 +81,8 @@ def _join(address: str) -> None:
             f"the Ray cluster at {address} answers but refused to let this driver join (RAY_AUTH_MODE {mode}, "
             f"{held}); it most likely uses token authentication: {TOKEN_HELP}"
         ) from None
+    Joined.address = address
+    console.print(f"joined the Ray cluster at {address} ({why}); {FRESH_HINT}", highlight=False)
     install_output_route()
 
 
@@ -94,17 +104,18 @@ def connect_ray(address: str | None = None, num_cpus: int | None = None) -> None
                 f"out in {PROBE_TIMEOUT_S:.0f} s): start it (`ray start --head`) or drop --address / "
                 "RAY_ADDRESS to run on a local instance"
             )
-        _join(named)
+        _join(named, "--address" if address else "RAY_ADDRESS")
         return
     recorded = ray_private.recorded_address()
     if named != "local" and recorded:
         target = _host_port(recorded)
         if target and _answers(*target):
-            _join(recorded)
+            _join(recorded, "the live cluster Ray's current-cluster file names")
             return
         console.print(
             f"Ray's current-cluster file names {recorded}, where nothing answers: starting a local Ray instance"
         )
+    Joined.address = None  # its own instance: it ends with this process, never under it
     ray.init(address="local", num_cpus=num_cpus, object_store_memory=512 * 1024**2, include_dashboard=True)
     install_output_route()
 
@@ -130,4 +141,15 @@ def ray_session(log_file: Path, address: str | None = None, verbose: bool = Fals
                 raise
             with open(log_file, "a") as log:
                 traceback.print_exc(file=log)
+            if went_away():
+                raise RunFailed(
+                    f"the Ray cluster at {Joined.address} went away (traceback in {log_file}); {FRESH_HINT}"
+                ) from err
             raise RunFailed(f"{type(err).__name__}: {first_line_of(err)} (traceback in {log_file})") from err
+
+
+def went_away() -> bool:
+    """Whether the cluster this process joined no longer answers (its end, not the run's error,
+    is then what the user needs to hear: not an actor's traceback)."""
+    target = _host_port(Joined.address) if Joined.address else None
+    return target is not None and not _answers(*target, timeout=1.0)

@@ -3,6 +3,7 @@ same run; evaluations into the training run or a run of their own; artifacts; th
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -106,6 +107,19 @@ def finish_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None
         status = "KILLED"
     MlflowClient(tracking_uri).set_terminated(run_id, status=status)
     _OPEN.pop(run_id, None)
+
+
+@contextlib.contextmanager
+def ended_on_error(tracking_uri: str, run_id: str):
+    """A run this block leaves by an error ends FAILED (KILLED on Ctrl-C), never RUNNING."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        finish_run(tracking_uri, run_id, "KILLED")
+        raise
+    except BaseException:
+        finish_run(tracking_uri, run_id, "FAILED")
+        raise
 
 
 def kill_open_runs() -> list[str]:

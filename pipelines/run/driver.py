@@ -127,9 +127,9 @@ def _train(
     run_dir = storage.join(cfg.storage_uri if storage.is_s3(cfg.storage_uri) else storage_path, cfg.name)
     check_global_batch(cfg, run_dir)  # before the MLflow run: a refused relaunch leaves it as it was
     mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
-    run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id)
     train_shards = shards.list_shards(data.train_uri, data.format, data.endpoint_url)
-    with _run_actors() as actors:
+    run_id = tracking.get_or_create_run(mlflow_uri, cfg.experiment, cfg.name, cfg.model_dump(), parent_run_id)
+    with tracking.ended_on_error(mlflow_uri, run_id), _run_actors() as actors:  # never left RUNNING
         resources, datasets = _datasets(cfg, actors, train_shards)
         with online_eval.reserved(cfg) as evaluation:  # before the worker group asks for its resources
             evaluator = _evaluator(cfg, mlflow_uri, run_id, evaluation)
@@ -166,8 +166,7 @@ def _train(
             )
             try:
                 result = trainer.fit()
-            except Exception as err:
-                tracking.finish_run(mlflow_uri, run_id, "FAILED")
+            except Exception as err:  # the run ends FAILED (ended_on_error)
                 stall = next(
                     (e for e in getattr(err, "worker_failures", {}).values() if isinstance(e, DataStallError)), None
                 )

@@ -40,7 +40,13 @@ def train_and_evaluate(cfg: RunConfig, parent_run_id: str | None = None, channel
     """One run trained (an MLflow child of `parent_run_id`) and judged: what a comparison, a study,
     a scaling plan and a sweep keep of it."""
     summary = run_training(cfg, parent_run_id=parent_run_id, channel=channel, ray_callbacks=ray_callbacks)
-    evaluation = evaluate_run(cfg, summary)
+    mlflow_uri = tracking.absolute_tracking_uri(cfg.mlflow_uri)
+    with tracking.ended_on_error(mlflow_uri, summary.mlflow_run_id):
+        try:
+            evaluation = evaluate_run(cfg, summary)
+        except BaseException:  # the run failed after all: the registry holds no version of it
+            model_registry.withdraw(mlflow_uri, summary.mlflow_run_id)
+            raise
     return {
         "run_name": cfg.name,
         "checkpoint": summary.checkpoint_uri,

@@ -1,9 +1,10 @@
 """MLflow's Model Registry: every finished training run registers its encoder, so "the encoder of
-sweep trial 7" is `models:/mdc-mdc-vit_b16/7`, not a path someone wrote down.
+sweep trial 7" is `models:/SWEEP/7`, not a path someone wrote down. One registered model per thing
+a user asks for by name: `registered_model`, else the run's name (a sweep's trials: the sweep's).
 
 A version's artifacts are the folder `mdc export` writes (the timm folder, its model card and the
-captioner in `captioner/`), logged as the run's `encoder` artifact; its tags are the run id and the
-run's headline figures under their metric keys (mdc/evaluation/suite.py `headline`:
+captioner in `captioner/`), logged as the run's `encoder` artifact; its tags are the run id, the
+data, objective and preset it was trained with, and the run's headline figures under their metric keys (mdc/evaluation/suite.py `headline`:
 eval/probe/NAME/accuracy, ...). Sweeps and plans give their best run's version the alias
 `best`. `resolve` turns `models:/NAME/VERSION` or `models:/NAME@ALIAS` into a local folder.
 """
@@ -37,8 +38,23 @@ _MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alia
 
 
 def registered_name(cfg: RunConfig) -> str:
-    """`registered_model` in the config, else mdc-<objective>-<preset>."""
-    return cfg.registered_model or f"mdc-{cfg.objective.name}-{cfg.model.preset}"
+    """`registered_model` in the config, else the run's name: one registered model per thing a
+    user asks for by name (a sweep's trials are versions of the sweep's, `mdc tune`)."""
+    return cfg.registered_model or cfg.name
+
+
+def version_tags(cfg: RunConfig) -> dict[str, str]:
+    """What a version was trained on and how, beside its run: `version 7` says what it is."""
+    return {"data": cfg.data.train_uri, "objective": cfg.objective.name, "preset": cfg.model.preset}
+
+
+def withdraw(tracking_uri: str, run_id: str) -> None:
+    """The version a run registered deleted: a run that failed after registering (its evaluation)
+    is no model anyone should load."""
+    client = MlflowClient(tracking_uri)
+    version = version_of_run(client, run_id)
+    if version is not None:
+        client.delete_model_version(version.name, version.version)
 
 
 def is_model_uri(uri: str) -> bool:
@@ -58,7 +74,12 @@ def version_of_run(client: MlflowClient, run_id: str):
 
 
 def register_run(
-    tracking_uri: str, run_id: str, checkpoint_uri: str, name: str, endpoint_url: str | None = None
+    tracking_uri: str,
+    run_id: str,
+    checkpoint_uri: str,
+    name: str,
+    endpoint_url: str | None = None,
+    extra_tags: dict[str, str] | None = None,
 ) -> tuple[str, str]:
     """Export `checkpoint_uri`, log it as the run's `encoder` artifact and register it under `name`;
     a run registers once (a relaunch gets the version it made). Returns (name, version)."""
@@ -78,7 +99,7 @@ def register_run(
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     tags = {RUN_ID_TAG: run_id, RUN_NAME_TAG: run.data.tags.get(tracking.RUN_NAME_TAG, run.info.run_name)}
-    tags |= {k: f"{v:.4f}" for k, v in found.items()}
+    tags |= {k: f"{v:.4f}" for k, v in found.items()} | (extra_tags or {})
     version = client.create_model_version(name, f"{run.info.artifact_uri}/{ARTIFACT_PATH}", run_id, tags=tags)
     return name, str(version.version)
 
@@ -93,6 +114,7 @@ def register_training_run(cfg: RunConfig, mlflow_run_id: str, checkpoint_uri: st
             checkpoint_uri,
             registered_name(cfg),
             cfg.data.endpoint_url,
+            version_tags(cfg),
         )
         reporter.note(f"encoder registered as models:/{name}/{version}")
     except Exception as err:
