@@ -90,7 +90,8 @@ def train(
         cfg = resolved(run_inputs.absolute_paths(checked(load_config(config, overrides))))
         suite().check_section(cfg.eval, cfg.data.endpoint_url)  # the sets it names, before Ray starts
         from pipelines.infra.ray_output import run_log_path  # Ray: seconds to import, so after the checks
-        from pipelines.run.concurrency import interruptible  # the Ray program: seconds to import, so after the checks
+        # the Ray program: seconds to import, so after the checks
+        from pipelines.run.concurrency import interruptible
         from pipelines.run.driver import run_training
 
         with ray_session(run_log_path(cfg), address, verbose):
