@@ -10,7 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from pipelines.cli import app
-from pipelines.commands.study import StudyError, load_plan, paired_interval, run_configs, verdict
+from pipelines.commands.study import UNTESTABLE, StudyError, gated, load_plan, paired_interval, run_configs, verdict
 
 SMOKE = Path(__file__).resolve().parent.parent / "studies" / "smoke.yaml"
 # Student t quantiles t(0.975, df) from tables: df = 1, 2, 4.
@@ -31,6 +31,22 @@ def test_paired_interval_is_mean_plus_minus_t_times_standard_error(a, b, mean, s
     half = T975[n - 1] * sd / math.sqrt(n)
     assert got_mean == pytest.approx(mean)
     assert (low, high) == (pytest.approx(mean - half), pytest.approx(mean + half))
+
+
+def test_a_gate_that_does_not_hold_makes_every_other_verdict_untestable():
+    """MDC against random init gates the rest: inconclusive there, a 'holds' elsewhere says nothing."""
+    claims = [
+        {"name": "gate", "verdict": "inconclusive", "gate": True, "mean_diff": 0.01},
+        {"name": "a>b", "verdict": "holds", "gate": False, "mean_diff": 0.05},
+        {"name": "c>d", "verdict": "reversed", "mean_diff": -0.05},
+    ]
+    judged = gated(claims)
+    assert [c["verdict"] for c in judged] == ["inconclusive", UNTESTABLE, UNTESTABLE]
+    assert [c["mean_diff"] for c in judged] == [0.01, 0.05, -0.05]  # the figures stay
+    passed = [{**claims[0], "verdict": "holds"}, *claims[1:]]
+    assert [c["verdict"] for c in gated(passed)] == ["holds", "holds", "reversed"]
+    assert gated(claims[1:]) == claims[1:]  # no gate: verdicts as measured
+    assert load_plan(Path("studies/emoji_claims.yaml")).claims[0].gate
 
 
 def test_verdicts_for_a_claim_that_holds_one_reversed_and_one_inconclusive():

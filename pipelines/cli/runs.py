@@ -89,8 +89,8 @@ def train(
     with user_errors():
         cfg = resolved(run_inputs.absolute_paths(checked(load_config(config, overrides))))
         suite().check_section(cfg.eval, cfg.data.endpoint_url)  # the sets it names, before Ray starts
-        from pipelines.infra.ray_output import run_log_path  # Ray: seconds to import, so after the checks
-        # the Ray program: seconds to import, so after the checks
+        # Ray and the Ray program: seconds to import, so after the checks
+        from pipelines.infra.ray_output import run_log_path
         from pipelines.run.concurrency import interruptible
         from pipelines.run.driver import run_training
 

@@ -15,6 +15,8 @@ data order, noise), so the differences d_s = a_s − b_s are paired; the report 
 the 95% Student-t interval mean ± t(0.975, n − 1) · sd(d) / √n over the n seeds. The verdict is
 `holds` when the interval lies on the expected side (`greater`: above 0; `less`: below 0;
 `at_least`: above −margin), `reversed` when it lies wholly on the other side, else `inconclusive`.
+A claim marked `gate: true` (MDC against random init, say) must hold for the others to mean anything:
+when a gate does not hold, every other claim reads `not testable at this budget`, its interval kept.
 Written to OUT as study.json, results.md and claims.png, and logged to the parent MLflow run.
 """
 
@@ -48,6 +50,7 @@ console = Console(soft_wrap=True)
 RESULT = "result.json"
 CONFIDENCE = 0.95
 VERDICTS = ("holds", "reversed", "inconclusive")
+UNTESTABLE = "not testable at this budget"
 CLAIM_FIELDS = (
     "name",
     "metric",
@@ -104,6 +107,9 @@ class Claim(_Strict):
     arm_b: str | None = Field(None, description="none: arm a's metric against 0 (e.g. probe_gain)")
     expect: Literal["greater", "less", "at_least"] = "greater"
     margin: float = Field(0.0, ge=0.0, description="at_least: how far a may trail b and still hold")
+    gate: bool = Field(
+        False, description="the others are judged only if this holds (else: not testable at this budget)"
+    )
 
 
 class Plan(_Strict):
@@ -357,7 +363,17 @@ def claim_result(plan: Plan, claim: Claim, results: dict[tuple[str, int], dict])
         "verdict": verdict(low, high, claim.expect, claim.margin),
         "expect": claim.expect,
         "margin": claim.margin,
+        "gate": claim.gate,
     }
+
+
+def gated(claims: list[dict]) -> list[dict]:
+    """The claims with the gate applied: if a `gate` claim does not hold, the encoder did not learn
+    enough at this budget for a comparison between arms to say anything about the method, so every
+    other claim's verdict becomes UNTESTABLE (its figures stay, for the record)."""
+    if all(c["verdict"] == "holds" for c in claims if c.get("gate")):
+        return claims
+    return [c if c.get("gate") else {**c, "verdict": UNTESTABLE} for c in claims]
 
 
 # ------------------------------------------------------------------------------------ the report
@@ -429,7 +445,7 @@ def run_study(
             )
         if parent.failures:
             return [], parent.failures
-        claims = [claim_result(plan, claim, results) for claim in plan.claims]
+        claims = gated([claim_result(plan, claim, results) for claim in plan.claims])
         files = write_report(plan, claims, out, time.perf_counter() - tic)
         metrics = {f"claims/{i}/{k}": c[k] for i, c in enumerate(claims) for k in ("mean_diff", "ci_low", "ci_high")}
         tracking.log_evaluation(parent.mlflow_uri, metrics, files, run_id=parent.run_id)

@@ -119,6 +119,7 @@ def claims_png(claims: Sequence[dict], path: Path, confidence: float) -> Path:
     """Each claim's interval against 0 (and −margin for `at_least`), coloured by verdict, one row
     per claim on its own x scale: metrics differ by orders of magnitude (accuracies, captions/s)."""
     colours = {"holds": "tab:green", "reversed": "tab:red", "inconclusive": "tab:gray"}
+    colours["not testable at this budget"] = "tab:olive"  # a gate claim did not hold (study.gated)
     fig, axes = plt.subplots(len(claims), 1, figsize=(8, 0.7 * len(claims) + 0.9), squeeze=False)
     for ax, c in zip(axes[:, 0], claims):
         ax.plot([c["ci_low"], c["ci_high"]], [0, 0], color=colours[c["verdict"]], linewidth=3)
