@@ -145,7 +145,6 @@ def run_schedule(
 ) -> dict:
     """Measure, recommend, write schedule.json and schedule.png under out_dir; returns the result."""
     started = time.time()
-    torch.manual_seed(opts.seed)
     model = load_model(cfg, checkpoint, opts.seed, endpoint_url)
     images, tokens, captions = load_captions(cfg, opts.captions, model.image_size, opts.seed, endpoint_url)
     batch_size = opts.batch_size or cfg.train.batch_size
