@@ -239,6 +239,8 @@ def test_sweep_whose_trials_all_fail_exits_non_zero(ray_cluster, shapes_dir, tmp
     assert "Traceback" not in result.output
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # MLflow tells the truth (issue 52)
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    [parent] = [r for r in runs if r.data.tags.get("run_name", "").startswith("sweep-")]
+    parents = [r for r in runs if r.info.run_name.startswith("sweep-")]
+    assert len(parents) == 1, [r.info.run_name for r in runs]
+    parent = parents[0]
     assert parent.info.status == "FAILED" and all(r.info.status != "RUNNING" for r in runs)
     assert client.search_model_versions() == []
