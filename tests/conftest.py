@@ -11,6 +11,8 @@ import pytest
 from helpers import LOCAL_RAY
 from moto.server import ThreadedMotoServer
 
+from pipelines.infra.console import Settings
+
 pytest_plugins = ["pytester"]  # tests/test_ci_rules.py runs these hooks on a throwaway suite
 
 DUMMY_AWS_ENV = {
@@ -61,6 +63,13 @@ class S3Server:
         """Create a bucket (names need >= 3 characters) and return its s3:// URI."""
         boto3.client("s3", endpoint_url=self.endpoint_url, region_name="us-east-1").create_bucket(Bucket=name)
         return f"s3://{name}"
+
+
+@pytest.fixture(autouse=True)
+def console_settings_reset(monkeypatch):
+    """`--verbose` sets a process-wide switch (full tracebacks on the console): a command a test runs
+    in-process must not leave it on for the next test in that process."""
+    monkeypatch.setattr(Settings, "verbose", False)
 
 
 @pytest.fixture(scope="session")
