@@ -17,7 +17,6 @@ people exchanged (ARO VG-Attribution and SugarCrepe `swap_att`).
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 from collections import Counter
@@ -27,6 +26,7 @@ from typing import Literal
 from PIL import Image, ImageDraw, ImageFont, features
 
 from mdc.data import shards, storage
+from mdc.data.shapes import write_benchmark_files
 
 FONT_PATH = "/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf"
 EMOJI_TEST_PATH = "/usr/share/unicode/emoji/emoji-test.txt"
@@ -189,12 +189,8 @@ def _write_compositionality(out_uri: str, pairs, images: dict, size: int, endpoi
         "num_pairs": sum(len(v) for v in pairs.values()),
         "gender_pairs": len(pairs["gender"]),
         "skin_tone_pairs": len(pairs["skin_tone"]),
-        "image_dir": f"{COMPOSITIONALITY_DIR}/images",
     }
-    for name, (filename, content) in files.items():
-        storage.write_bytes(storage.join(root, filename), json.dumps(content, indent=1).encode(), endpoint_url)
-        entry[name] = f"{COMPOSITIONALITY_DIR}/{filename}"
-    return entry
+    return write_benchmark_files(root, files, entry, endpoint_url)
 
 
 def write_emoji_dataset(

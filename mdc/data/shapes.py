@@ -153,7 +153,13 @@ def _write_compositionality(out_uri: str, pairs: list[ShapeRecord], image_size: 
         "sugarcrepe_swap_obj": ("swap_obj.json", swap_obj),
         "sugarcrepe_swap_att": ("swap_att.json", swap_att),
     }
-    entry = {"num_pairs": len(pairs), "image_dir": f"{COMPOSITIONALITY_DIR}/images"}
+    return write_benchmark_files(root, files, {"num_pairs": len(pairs)}, endpoint_url)
+
+
+def write_benchmark_files(root: str, files: dict[str, tuple[str, object]], entry: dict, endpoint_url=None) -> dict:
+    """The ARO/SugarCrepe-format JSON files under `root` (COMPOSITIONALITY_DIR); `entry` (the
+    manifest's) gains each file's path by name and the image folder."""
+    entry = {**entry, "image_dir": f"{COMPOSITIONALITY_DIR}/images"}
     for name, (filename, content) in files.items():
         storage.write_bytes(storage.join(root, filename), json.dumps(content, indent=1).encode(), endpoint_url)
         entry[name] = f"{COMPOSITIONALITY_DIR}/{filename}"

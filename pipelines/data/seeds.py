@@ -7,7 +7,7 @@ resize, and a resumed run draws what the uninterrupted one would have.
 The key of a draw is NumPy's `SeedSequence` hash of the tuple (seed, purpose, step, chunk), not a
 linear mix of them: a linear key (seed·1,000,003 + chunk·10,007 + step) gave (step 10,008, chunk 0)
 the draws of (step 1, chunk 1). Distinct tuples give distinct 64-bit keys (tests/test_seeds.py
-checks 100k steps × 64 chunks)."""
+checks every pair of 10,100 steps × 8 chunks and 50,000 pairs drawn from 100k steps × 64 chunks)."""
 
 from __future__ import annotations
 
