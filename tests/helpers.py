@@ -47,8 +47,8 @@ class LocalSession:
     """Ray Train's side of the worker's `Trainer`, in this process: rank `rank` of `world_size`
     (one, unless the test made a bigger gloo group), CPU, `steps` batches of `batch` random 32-px
     images (with `same_images`, one batch repeated), cut into blocks of `block` rows and dealt as
-    Ray's equal, order-preserving split deals them: block k to rank k mod world_size, each rank as
-    many whole blocks (pipelines/data/deal.py)."""
+    Ray's order-preserving split deals them: block k to rank k mod world_size, every block dealt
+    (pipelines/data/deal.py)."""
 
     device = torch.device("cpu")
 
@@ -79,8 +79,7 @@ class LocalSession:
             for b in self.batches
             for i in range(0, len(b["row"]), self.block)
         ]
-        each = len(blocks) // self.world_size
-        return iter(blocks[self.rank :: self.world_size][:each])
+        return iter(blocks[self.rank :: self.world_size])
 
     def held_out_batches(self):
         return []

@@ -1,7 +1,9 @@
 """Any group size trains the global batch (pipelines/data/deal.py): the blocks Ray deals in turn
-are every step's K chunks exactly once, every rank ends the epoch at the same step without asking
-the others, and 3 ranks that pad a short share train the weights 1 rank trains."""
+are every step's K chunks exactly once, every rank ends the epoch at the same step — the step one
+rank would end it at — and 3 ranks that pad a short share train the weights 1 rank trains."""
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,22 +27,29 @@ def test_the_deal_of_4_chunks_over_3_ranks_by_hand():
     assert [list(deal.chunks(r, 0)) for r in range(3)] == [[0, 3], [1], [2]]
     assert [list(deal.chunks(r, 1)) for r in range(3)] == [[2], [0, 3], [1]]
     assert deal.passes == 2 and deal.weight == 0.75
-    assert [deal.blocks_to_know(j) for j in range(3)] == [2, 3, 4]
     assert [list(BlockDeal(2, 3).chunks(r, 0)) for r in range(3)] == [[0], [1], []]  # K < W: rank 2 only pads
 
 
+def block(i: int) -> dict:
+    return {"id": torch.tensor([i]), "shard": torch.tensor([0]), "shard_rows": torch.tensor([1])}
+
+
 def dealt_steps(blocks: int, k: int, w: int) -> list[list[tuple[range, list[int]]]]:
-    """Each rank's cursor over what Ray's equal split gives it of `blocks` blocks (block k to rank
-    k mod W, as many whole blocks each): per step, its chunks and the blocks it trains."""
-    deal, ranks = BlockDeal(k, w), []
-    for rank in range(w):
-        stream = [
-            {"id": torch.tensor([b]), "shard": torch.tensor([0]), "shard_rows": torch.tensor([1])}
-            for b in range(blocks)
-        ]
-        mine = stream[rank::w][: blocks // w]
+    """Each of `w` ranks' cursor (a thread each, agreeing through a barrier as the gloo group
+    would) over what Ray's split gives it of `blocks` blocks: block b to rank b mod W, every block
+    dealt. Per step, each rank's chunks and the blocks it trains."""
+    deal, flags, barrier = BlockDeal(k, w), [True] * w, threading.Barrier(w, timeout=10)
+
+    def cursor_steps(rank: int) -> list[tuple[range, list[int]]]:
+        def agree(ok: bool) -> bool:
+            flags[rank] = ok
+            barrier.wait()
+            every = all(flags)
+            barrier.wait()  # no rank writes the next step's flag before every rank read this one's
+            return every
+
         cursor = DataCursor(
-            source=lambda epoch, m=mine: m,
+            source=None,
             feed=BatchFeed(5.0, str),
             actors=None,
             shard_list_id="x",
@@ -49,28 +58,50 @@ def dealt_steps(blocks: int, k: int, w: int) -> list[list[tuple[range, list[int]
             rank=rank,
             deal=deal,
             device="cpu",
+            agree=agree,
         )
-        ranks.append([(part.chunks, [int(b["id"]) for b in part.blocks]) for part in cursor.batches()])
-    return ranks
+        mine = iter([block(b) for b in range(rank, blocks, w)])
+        steps = [(part.chunks, [int(b["id"]) for b in part.blocks]) for part in cursor.steps(mine)]
+        assert next(mine, None) is None  # the stream was read to its end
+        return steps
+
+    with ThreadPoolExecutor(w) as pool:
+        return list(pool.map(cursor_steps, range(w)))
 
 
 @pytest.mark.parametrize("w", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 6, 7])
-def test_every_step_is_its_k_blocks_once_and_every_rank_stops_at_the_same_step(gloo_process_group, k, w):
-    for blocks in (k, 2 * k + 1, 3 * k + w, 5 * k - 1, 7 * w):
-        whole = w * (blocks // w)  # what the equal split leaves whole
-        if whole < k:
-            with pytest.raises(RuntimeError, match="smaller than global_batch_size"):
-                dealt_steps(blocks, k, w)
-            continue
+def test_every_step_is_its_k_blocks_once_and_every_rank_stops_where_one_rank_would(k, w):
+    """Every size of epoch from k - 1 to 5k + w blocks: ⌊blocks / k⌋ steps on every rank for every W
+    (with Ray's equal split, W = 3 lost the last round's blocks: 5 blocks, k = 2 gave 1 step, not 2),
+    but for an epoch of fewer blocks than ranks, where a rank holds none to pad with."""
+    for blocks in range(k - 1, 5 * k + w + 1):
         ranks = dealt_steps(blocks, k, w)
-        assert [len(steps) for steps in ranks] == [whole // k] * w, (k, w, blocks)
-        for j in range(whole // k):
-            trained = sorted(b for steps in ranks for b in steps[j][1])
+        steps = blocks // k if blocks >= w else 0
+        assert [len(s) for s in ranks] == [steps] * w, (k, w, blocks)
+        for j in range(steps):
+            trained = sorted(b for s in ranks for b in s[j][1])
             assert trained == list(range(j * k, (j + 1) * k))  # the step's blocks, each once
-            for steps in ranks:
-                chunks, ids = steps[j]
+            for s in ranks:
+                chunks, ids = s[j]
                 assert [j * k + c for c in chunks] == ids and len(ids) <= BlockDeal(k, w).passes
+
+
+def test_an_epoch_without_a_whole_global_batch_is_an_error(gloo_process_group):
+    cursor = DataCursor(
+        source=lambda epoch: [block(0)],
+        feed=BatchFeed(5.0, str),
+        actors=None,
+        shard_list_id="x",
+        num_shards=1,
+        seed=0,
+        rank=0,
+        deal=BlockDeal(2, 1),
+        device="cpu",
+    )
+    cursor.start()
+    with pytest.raises(RuntimeError, match="smaller than global_batch_size"):
+        list(cursor.batches())
 
 
 def train_dealt(rank: int, world: int, tmp: str, global_batch: int) -> None:

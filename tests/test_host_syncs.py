@@ -98,7 +98,7 @@ INJECTED = [
 
 
 class ReadingFeed:
-    """The cursor's `BatchFeed`, reading a value of its batch number `at` on the training thread."""
+    """The cursor's `BatchFeed`, reading a value of its step number `at` on the training thread."""
 
     def __init__(self, feed, at: int):
         self.feed, self.at = feed, at
@@ -110,14 +110,15 @@ class ReadingFeed:
     def __call__(self, batches):
         for i, batch in enumerate(self.feed(batches)):
             if i == self.at:
-                int(batch["tokens"][0, 0])
+                int(batch.pad["tokens"][0, 0])
             yield batch
 
 
 def test_every_kind_of_sync_put_into_a_step_is_counted_in_that_step(gloo_process_group, tmp_path, monkeypatch):
     """Step i + 1 runs INJECTED[i] on its loss; the step after them reads a batch value in the data
     cursor, on the training thread, before the step begins; the last step logs. (The feed's thread,
-    one batch ahead of the step, is not counted: a sync there holds up ingest, not the step.)"""
+    one step ahead, is not counted: a sync there — the ranks' agreement that the step exists, on a
+    CPU group, pipelines/data/cursor.py — holds up ingest, not the step.)"""
     steps = len(INJECTED) + 2
     trainer = local_trainer(tmp_path, steps, 100)
     compute_loss = step_module.compute_loss

@@ -32,14 +32,26 @@ class StepBlocks:
         return {k: torch.cat([b[k] for b in self.blocks]) if self.blocks else self.pad[k][:0] for k in keys}
 
 
+def every_rank(group) -> Callable[[bool], bool]:
+    """`agree(ok)`: whether `ok` holds on every rank of `group` (a CPU group: no device waits)."""
+
+    def agree(ok: bool) -> bool:
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    return agree
+
+
 class DataCursor:
     """The epoch's plan (its order, and what a resumed epoch passes over), this rank's per-shard
     tally and, through the ingest actors, the bad-record counts. `batches` yields one epoch of
     this rank's `StepBlocks` from `source(epoch)`, a stream of one-micro-batch blocks dealt as
     `deal` says (`what` names a step's batch in errors), through a `BatchFeed` that turns a stall
-    into an error and adds up the time spent waiting (`wait_s`). A `ckpt.Stateful`: its checkpoint
-    state is the group's data position (`state_dict`, collective on `device`), which `start` goes
-    on from."""
+    into an error and adds up the time spent waiting (`wait_s`). Whether a step exists is agreed
+    by every rank (`agree`, by default over a gloo group `start` makes). A `ckpt.Stateful`: its
+    checkpoint state is the group's data position (`state_dict`, collective on `device`), which
+    `start` goes on from."""
 
     def __init__(
         self,
@@ -54,8 +66,10 @@ class DataCursor:
         deal: BlockDeal,
         device: torch.device | str,
         what: str = "a batch",
+        agree: Callable[[bool], bool] | None = None,
     ):
         self.source, self.feed, self.actors, self.deal, self.what = source, feed, actors, deal, what
+        self.agree = agree
         self.shard_list_id, self.num_shards, self.seed, self.rank = shard_list_id, num_shards, seed, rank
         self.device = device
         self.plan = EpochPlan()
@@ -95,25 +109,39 @@ class DataCursor:
                 )
         dist.broadcast_object_list(plan, src=0)  # also the barrier: the actors are set
         self.plan, self.restored = plan[0], None
+        if self.agree is None:  # its own group: the feed's thread agrees while FSDP uses the default one
+            self.agree = every_rank(dist.new_group(backend="gloo"))
 
     def batches(self) -> Iterator[StepBlocks]:
-        """The rest of the current epoch, a step at a time; ends it (`_end_epoch`) at the first step
-        the stream cannot fill for every rank (pipelines/data/deal.py: no rank needs to ask)."""
+        """The rest of the current epoch, a step at a time (`steps`, run ahead in the feed's
+        thread); then ends the epoch (`_end_epoch`)."""
         self.tally = ShardTally(self.num_shards, self.plan, self.rank)
-        stream, held, received, step, last = iter(self.feed(self.source(self.epoch))), [], 0, 0, None
-        while True:
-            while received < self.deal.blocks_to_know(step) and (block := next(stream, None)) is not None:
-                held.append(block)
-                received, last = received + 1, block
-            if received < self.deal.blocks_to_know(step):
-                break
-            chunks = self.deal.chunks(self.rank, step)
-            mine, held = held[: len(chunks)], held[len(chunks) :]
-            for block in mine:
+        step = 0
+        for part in self.feed(self.steps(iter(self.source(self.epoch)))):
+            for block in part.blocks:
                 self.tally.add(block["shard"], block["shard_rows"])  # trained on before any checkpoint sees it
-            yield StepBlocks(mine, chunks, pad=last)
+            yield part
             step += 1
         self._end_epoch(step)
+
+    def steps(self, stream: Iterator[dict]) -> Iterator[StepBlocks]:
+        """This rank's share of each step of the stream, for as long as every rank holds its share
+        (pipelines/data/deal.py): the epoch has then (j+1)K blocks. A rank with no block of a step
+        (K < W) pads with the latest one it holds, so it needs one to exist. What is left of the
+        stream after the last step (under one global batch) is read and dropped."""
+        held, last, step = [], None, 0
+        while True:
+            chunks = self.deal.chunks(self.rank, step)
+            while len(held) < max(len(chunks), last is None) and (block := next(stream, None)) is not None:
+                held.append(block)
+                last = block
+            if not self.agree(len(held) >= len(chunks) and last is not None):
+                break
+            mine, held = held[: len(chunks)], held[len(chunks) :]
+            yield StepBlocks(mine, chunks, pad=last)
+            step += 1
+        for _ in stream:  # the epoch's rest: Ray ends its epoch once every split is read to its end
+            pass
 
     def _end_epoch(self, batches: int) -> None:
         resumed = bool(self.plan.passed_over or self.plan.rows_done)

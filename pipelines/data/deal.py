@@ -9,10 +9,14 @@ collectives need as many on every rank, and the slowest rank sets the step's tim
 weighs each real one W/K: FSDP's mean over ranks then makes the gradient the mean over the K
 chunks, the global batch's, whatever W is. With W dividing K nothing is padded.
 
-The epoch ends, on every rank at the same step and with no collective, where Ray's equal split
-ends it: each rank gets the same number M of whole blocks (the round the stream ends in is cut
-into pieces under one block, which `drop_last` leaves out), so step j exists iff (j+1)K <= W·M,
-and a rank knows that once it holds ⌈(j+1)K/W⌉ blocks or its stream has ended.
+Every block of the epoch is dealt (Ray's split is told `equal=False`: its equal split would drop the
+epoch's last round of blocks, so an epoch's length would depend on W), so step j exists iff the
+epoch has (j+1)K blocks, for every W: the rows an epoch drops are only those that cannot fill a
+last global batch. No rank can tell that alone (the blocks of step j are spread over the ranks, and
+a rank's stream may end before or after its share of a step), so before each step the ranks agree
+on it: each says whether it holds its blocks of the step, and the step runs iff every rank does
+(`pipelines/data/cursor.py`, one all-reduce of a flag on a CPU group, in the feed's thread ahead of
+the step).
 """
 
 from __future__ import annotations
@@ -51,8 +55,3 @@ class BlockDeal:
         always a step's) of the blocks rank `rank` holds, in the order it receives them."""
         first = (rank - step * self.blocks_per_step) % self.world_size
         return range(first, self.blocks_per_step, self.world_size)
-
-    def blocks_to_know(self, step: int) -> int:
-        """Blocks a rank holds, counted from the stream's start, once step `step` is sure to exist
-        for every rank: then W·M >= (step + 1)·K."""
-        return -(-(step + 1) * self.blocks_per_step // self.world_size)

@@ -9,7 +9,7 @@ readers').
 For training the rows leave in one order, whatever the number of readers: the shards' seeded
 order, each shard's rows in their seeded windows, cut into blocks of exactly one micro-batch
 (`rows_per_block`), which Ray Data, told to preserve order, deals to the training workers in turn —
-block k to worker k mod W. A step's global batch is the next global_batch_size rows of that order
+block k to worker k mod W, every block of the epoch dealt. A step's global batch is the next global_batch_size rows of that order
 whatever W is (pipelines/data/seeds.py says which of them each rank trains).
 
 The CPUs ingest may use are what the cluster has minus what the training workers hold
@@ -343,10 +343,30 @@ def validation_dataset(
     return ds.materialize()
 
 
-def in_order_split() -> ray.train.DataConfig:
-    """Ray Train's split of the training dataset with Ray Data told to preserve order: its splitter
-    then deals the blocks to the workers in turn (locality ignored), so which rows a worker gets
-    depends on the dataset's order alone, not on which reader finished first."""
+class InOrderSplit(ray.train.DataConfig):
+    """Ray Train's split of the training dataset, with Ray Data told to preserve order and every
+    block dealt: the splitter deals blocks to the workers in turn (locality ignored under
+    preserve_order), so which rows a worker gets depends on the dataset's order alone, not on which
+    reader finished first. Split with `equal=False`, as Ray's equal split would cut the epoch's
+    last round of blocks into pieces and drop them: how many blocks an epoch keeps would then
+    depend on the number of workers (the data cursor finds the epoch's end by agreement instead,
+    pipelines/data/deal.py). Other datasets (val) go to every worker whole, as Ray's own split does."""
+
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        rest = {name: ds for name, ds in datasets.items() if name != "train"}
+        output = super().configure(rest, world_size, worker_handles, worker_node_ids, **kwargs)
+        if "train" in datasets:
+            if datasets["train"].name is None:
+                datasets["train"].set_name("train")
+            ds = datasets["train"].copy(datasets["train"])
+            ds.context.execution_options = self._resolve_execution_options("train")
+            for i, split in enumerate(ds.streaming_split(world_size, equal=False)):
+                output[i]["train"] = split
+        return output
+
+
+def in_order_split() -> InOrderSplit:
+    """The split training uses (`InOrderSplit`), order preserved for train and val."""
     options = ray.train.DataConfig.default_ingest_options()
     options.preserve_order = True
-    return ray.train.DataConfig(datasets_to_split=["train"], execution_options={"train": options, "val": options})
+    return InOrderSplit(datasets_to_split=["train"], execution_options={"train": options, "val": options})
