@@ -54,6 +54,27 @@ def test_ctrl_c_in_run_all_returns_at_once_cancels_what_has_not_started_and_kill
     assert sorted(started) == ["a", "b"][:max_concurrent]  # the rest cancelled, not started when a slot freed
 
 
+def test_sigterm_stops_a_command_as_ctrl_c_does(monkeypatch):
+    """`kill`, `timeout` or a scheduler's cancel (SIGTERM) ends the runs KILLED and exits 130, as
+    Ctrl-C does (before, the process died and left its MLflow runs RUNNING); the handler is the
+    previous one again afterwards."""
+    import typer
+
+    from pipelines.infra.console import user_errors
+
+    monkeypatch.setattr(tracking, "kill_open_runs", lambda: killed.append(True))
+    killed, release, previous = [], threading.Event(), signal.getsignal(signal.SIGTERM)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    tic = time.monotonic()
+    try:
+        with pytest.raises(typer.Exit) as stop, user_errors():
+            concurrency.run_all({"a": lambda: release.wait(60)}, 1)
+    finally:
+        release.set()
+    assert stop.value.exit_code == 130 and killed == [True] and time.monotonic() - tic < 5
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
 def test_after_ctrl_c_every_open_run_ends_killed_and_a_failure_too(tmp_path, monkeypatch):
     monkeypatch.setattr(tracking, "_OPEN", {})
     monkeypatch.setattr(tracking, "_INTERRUPTED", threading.Event())

@@ -4,7 +4,9 @@ as one line with exit code 2 instead of a traceback, and failed runs as one line
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
+import threading
 
 import typer
 from rich.console import Console
@@ -40,12 +42,32 @@ def warn(message: str) -> None:
     console.print(Text.assemble(("warning: ", "yellow"), message))
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """SIGTERM (`kill`, `timeout`, a scheduler cancelling the job) stops a command as Ctrl-C does:
+    its runs end KILLED in MLflow instead of being left RUNNING by a process that just died."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def user_errors(*also: type[BaseException]):
     """Turn user errors (and the `also` types) into `error: MESSAGE` on one line and exit code 2;
-    with --verbose the traceback is printed first. Ctrl-C is one line too, and exit code 130."""
+    with --verbose the traceback is printed first. Ctrl-C, or SIGTERM, is one line too, and exit
+    code 130."""
     try:
-        yield
+        with terminate_as_interrupt():
+            yield
     except KeyboardInterrupt:
         console.print(
             Text.assemble(
