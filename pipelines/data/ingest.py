@@ -312,7 +312,7 @@ def build_dataset(
         batch_size=1,
         batch_format="numpy",
         num_cpus=resources.cpus_per_reader,
-        compute=ray.data.TaskPoolStrategy(size=resources.max_readers),
+        compute=ray.data.TaskPoolStrategy(size=min(resources.max_readers, len(files))),  # more: Ray warns
     )
     # Ray would merge a task's batches up to 128 MiB blocks (a whole shard of small images): one
     # block per decoded batch reaches training sooner and bounds what a task holds.
