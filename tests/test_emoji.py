@@ -84,3 +84,17 @@ def test_probe_kinds_and_real_swaps(written):
     assert len(items["replace_att"]) == manifest["compositionality"]["gender_pairs"] > 300
     assert len(items["swap_att"]) == manifest["compositionality"]["skin_tone_pairs"] > 200
     assert set(items) <= set(compositionality.SHAPES_SUBSETS)
+
+
+@needs_packages
+def test_the_default_eval_section_names_every_figure_emoji(written):
+    """Its probes, swap pairs and captions are keyed `emoji` (the pairs were keyed `shapes`: a figure
+    of emoji under the generated shapes' name)."""
+    from mdc.config import load_config
+    from mdc.evaluation import suite
+
+    out, _ = written
+    cfg = suite.resolve_section(load_config(None, [f"data.train_uri={out / 'train'}", "data.val_uri=null"]))
+    assert [p.key for p in cfg.eval.probes] == ["emoji", "emoji-subgroup"]
+    assert [c.key for c in cfg.eval.compositionality] == ["emoji"]
+    assert [c.name for c in cfg.eval.captions] == ["emoji"]

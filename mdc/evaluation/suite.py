@@ -155,7 +155,8 @@ def _defaults(cfg: RunConfig, root: str, manifest: dict) -> dict:
     defaults = {
         "probes": ([{"dataset": labelled, "name": kind}] if manifest.get("class_names") else [])
         + ([{"dataset": "emoji-subgroup", "name": "emoji-subgroup"}] if manifest.get("subgroup_names") else []),
-        "compositionality": [{"benchmark": "shapes"}] if has_pairs else [],
+        # named after the dataset too: the swap pairs of emoji are not shapes
+        "compositionality": [{"benchmark": "shapes", "name": kind}] if has_pairs else [],
         # the paper's N' = 10; named after the dataset `mdc data` wrote, as its probe is
         "captions": [{"uri": val, "name": manifest.get("dataset"), "lengths": [min(10, cfg.data.max_length)]}]
         if val
