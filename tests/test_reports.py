@@ -87,3 +87,23 @@ def test_each_claim_row_has_its_own_scale_holding_its_interval_and_zero(tmp_path
     assert reports.claim_x_range(at_least) == pytest.approx((-0.55, 0.05))
     png = reports.claims_png([small, large, at_least], tmp_path / "claims.png", 0.95)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sweep_panel_no_trial_reported_to_says_why():
+    """Every trial failed: the panel says so instead of staying empty (issue 52's empty panel)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pipelines.run.reports import sweep_panel
+
+    rows = [{"lr": 0.1, "loss": None, "error": "boom"}, {"lr": 0.2, "loss": None, "error": "boom"}]
+    fig, (empty, full) = plt.subplots(1, 2)
+    sweep_panel(empty, rows, "lr", "loss")
+    sweep_panel(full, [{"lr": 0.1, "loss": 1.5, "error": ""}], "lr", "loss")
+    assert [t.get_text() for t in empty.texts] == [
+        "no trial reported loss\n(2 of 2 failed: results.md has their errors)"
+    ]
+    assert len(full.texts) == 0 and len(full.patches) == 1
+    plt.close(fig)

@@ -95,16 +95,33 @@ def sweep_png(rows: Sequence[dict], x_key: str, metrics: Sequence[str], path: Pa
     """One bar chart per metric over the trials, labelled by the swept parameter `x_key`."""
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.5))
     for ax, metric in zip(axes, metrics):
-        points = [(r[x_key], r[metric]) for r in rows if r[metric] is not None]
-        ax.bar(range(len(points)), [y for _, y in points], tick_label=[str(x) for x, _ in points])
-        ax.set_xlabel(x_key)
-        ax.set_ylabel(metric)
-        ax.tick_params(axis="x", rotation=30)
+        sweep_panel(ax, rows, x_key, metric)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def sweep_panel(ax, rows: Sequence[dict], x_key: str, metric: str) -> None:
+    """The trials' `metric` as bars; a panel no trial reported to says so, and why, instead of
+    staying empty."""
+    points = [(r[x_key], r[metric]) for r in rows if r.get(metric) is not None]
+    ax.bar(range(len(points)), [y for _, y in points], tick_label=[str(x) for x, _ in points])
+    if not points:
+        failed = sum(1 for r in rows if r.get("error"))
+        ax.text(
+            0.5,
+            0.5,
+            f"no trial reported {metric}\n({failed} of {len(rows)} failed: results.md has their errors)",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=8,
+        )
+    ax.set_xlabel(x_key)
+    ax.set_ylabel(metric)
+    ax.tick_params(axis="x", rotation=30)
 
 
 def claim_x_range(c: dict) -> tuple[float, float]:
