@@ -90,6 +90,7 @@ def write_plan(tmp_path, **changes) -> Path:
             r"claims.0.metric: 'eval/captions/shapes/N20/cider' is not a figure .*eval/captions/shapes/N8/cider",
         ),
         ({"arms": {"mdc": {"data": "coco"}, "cmlm": {}}}, r"arms.mdc.data: 'coco' is not one of the datasets"),
+        ({"arms": {"mdc": {}}}, r"claims.0.arm_b: 'cmlm' is not one of the arms \['mdc'\]"),  # one arm: claims vs 0
         ({"budget": {"train.stepz": 3}}, r"unknown field"),
         ({"evaluations": {"probe": False}}, r"evaluations is now the runs' eval section: put eval.\* keys in budget"),
         (
@@ -138,3 +139,8 @@ def test_a_set_an_arm_names_that_cannot_be_reached_stops_the_command_before_any_
     result = CliRunner().invoke(app, ["study", "--plan", str(path), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2
     assert f"eval.probes.0.root: {tmp_path / 'no-cifar'} does not exist" in " ".join(result.output.split())
+
+
+def test_a_plan_of_one_arm_judges_its_claims_against_0():
+    plan = load_plan(Path("studies/emoji_gate.yaml"))
+    assert list(plan.arms) == ["mdc"] and all(c.arm_b is None for c in plan.claims) and plan.claims[0].gate

@@ -118,7 +118,9 @@ class Plan(_Strict):
     seeds: list[int] = Field(min_length=2)
     budget: dict[str, Any] = Field(default_factory=dict, description="overrides shared by every run")
     datasets: dict[str, DatasetPlan] = Field(default_factory=lambda: {"shapes": DatasetPlan()}, min_length=1)
-    arms: dict[str, dict[str, Any]] = Field(min_length=2, description="overrides per arm; `data` names a dataset")
+    arms: dict[str, dict[str, Any]] = Field(
+        min_length=1, description="overrides per arm; `data` names a dataset (one arm: its claims against 0)"
+    )
     claims: list[Claim] = Field(min_length=1)
 
     @model_validator(mode="before")
