@@ -6,12 +6,16 @@ Speed: the Ray Data pipeline (every CPU of the local Ray) against a plain single
 the same shards, as images/s, their ratio and the ratio per Ray CPU; and the pipeline as training
 reads it — one order whatever the readers (order preserved, seeded shard order and row windows,
 blocks of one micro-batch) — against the same pipeline unordered: what the deterministic order costs.
+Where that cost lies: the order alone (order preserved, seeded shards and windows, the reader's own
+blocks) and the unordered pipeline with one more stage that passes its blocks on unchanged (as the
+micro-batch blocking stage adds one). Every variant runs `--repeats` times, interleaved, and the
+medians are compared: on 2 cores one run's img/s varies by up to 2x.
 Memory (`--memory`): the peak of the summed proportional set size (PSS) of this driver and every
 Ray process while the pipeline streams the same samples written as many small shards and as a
 few large ones; the ratio says whether memory depends on shard size. Ray's own baseline (the
 processes started and idle) is reported beside the peaks.
 
-    python -m benchmarks.ingest [--num 2000] [--shards 4]
+    python -m benchmarks.ingest [--num 2000] [--shards 4] [--repeats 3]
     python -m benchmarks.ingest --memory [--num 8000] [--shards 8,2]
 """
 
@@ -21,6 +25,7 @@ import argparse
 import glob
 import json
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -62,14 +67,27 @@ def plain_loop(uri: str) -> int:
     return count + (flush() if pending else 0)
 
 
-def ray_pipeline(uri: str, in_order: bool = False) -> int:
-    """Images through the pipeline; `in_order`: as training reads it (pipelines/data/ingest.py), order
-    preserved, shards and row windows seeded, blocks of one micro-batch (BATCH rows)."""
-    if not in_order:
-        ds = build_dataset(uri, IMAGE_SIZE, MAX_LENGTH, shuffle_seed=None)
-    else:
-        ds = build_dataset(uri, IMAGE_SIZE, MAX_LENGTH, shuffle_seed=0, shuffle_window=256, rows_per_block=BATCH)
-        ds.context.execution_options.preserve_order = True
+def _unchanged(batch: dict) -> dict:
+    return batch
+
+
+def ray_pipeline(uri: str, variant: str = "unordered") -> int:
+    """Images through the pipeline. `in_order`: as training reads it (pipelines/data/ingest.py), order
+    preserved, shards and row windows seeded, blocks of one micro-batch (BATCH rows); `order_only`:
+    the same without the micro-batch blocks; `one_more_stage`: unordered, then a stage that passes
+    each block on unchanged (no CPU, one task at a time, as the blocking stage runs)."""
+    ordered = variant in ("in_order", "order_only")
+    ds = build_dataset(
+        uri,
+        IMAGE_SIZE,
+        MAX_LENGTH,
+        shuffle_seed=0 if ordered else None,
+        shuffle_window=256 if ordered else 0,
+        rows_per_block=BATCH if variant == "in_order" else None,
+    )
+    if variant == "one_more_stage":
+        ds = ds.map_batches(_unchanged, batch_size=None, num_cpus=0, compute=ray.data.TaskPoolStrategy(size=1))
+    ds.context.execution_options.preserve_order = ordered
     return sum(len(b["tokens"]) for b in ds.iter_batches(batch_size=BATCH, batch_format="numpy"))
 
 
@@ -126,31 +144,43 @@ def peak_pss_while(fn, *args, every_s: float = 0.25) -> tuple[float, object]:
     return max(peak), result
 
 
+VARIANTS = ("unordered", "in_order", "order_only", "one_more_stage")
+
+
 def speed(args) -> dict:
+    rates: dict[str, list[float]] = {name: [] for name in ("plain", *VARIANTS)}
     with tempfile.TemporaryDirectory() as root:
         uri = write_folder(root, args.num, int(args.shards))
         plain_loop(uri)  # warm alike: imports, tokenizer, page cache
-        n_plain, t_plain = timed(plain_loop, uri)
         ray.init(object_store_memory=512 * 1024**2)
         ray_pipeline(uri)  # warm: workers, tokenizer
-        n_ray, t_ray = timed(ray_pipeline, uri)
-        n_ordered, t_ordered = timed(ray_pipeline, uri, True)
+        for _ in range(args.repeats):
+            n, seconds = timed(plain_loop, uri)
+            rates["plain"].append(n / seconds)
+            for variant in VARIANTS:
+                m, seconds = timed(ray_pipeline, uri, variant)
+                assert m == n, (variant, m, n)
+                rates[variant].append(m / seconds)
         cpus = ingest_resources(ray.cluster_resources()["CPU"], 0.0).budget
         ray.shutdown()
-    assert n_plain == n_ray == n_ordered, (n_plain, n_ray, n_ordered)
-    ratio = (n_ray / t_ray) / (n_plain / t_plain)
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    ratio = median["unordered"] / median["plain"]
     return {
-        "images": n_plain,
+        "images": n,
         "source_px": SOURCE_SIZE,
         "image_size": IMAGE_SIZE,
+        "repeats": args.repeats,
         "ray_cpus": cpus,
-        "plain_images_per_s": n_plain / t_plain,
-        "ray_images_per_s": n_ray / t_ray,
+        "plain_images_per_s": median["plain"],
+        "ray_images_per_s": median["unordered"],
         "ratio_ray_over_plain": ratio,
         "ray_per_cpu_over_plain": ratio / cpus,
-        "ray_in_order_images_per_s": n_ordered / t_ordered,
-        "in_order_over_unordered": (n_ordered / t_ordered) / (n_ray / t_ray),
-        "in_order_over_plain": (n_ordered / t_ordered) / (n_plain / t_plain),
+        "ray_in_order_images_per_s": median["in_order"],
+        "in_order_over_unordered": median["in_order"] / median["unordered"],
+        "in_order_over_plain": median["in_order"] / median["plain"],
+        "order_only_over_unordered": median["order_only"] / median["unordered"],
+        "one_more_stage_over_unordered": median["one_more_stage"] / median["unordered"],
+        "images_per_s_each_run": {name: [round(v) for v in values] for name, values in rates.items()},
     }
 
 
@@ -179,6 +209,7 @@ def main() -> None:
     parser.add_argument(
         "--shards", default=None, help="shard count (speed, default 4) or counts to compare (--memory, default 8,2)"
     )
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each speed variant, interleaved (medians)")
     parser.add_argument("--memory", action="store_true", help="peak PSS by shard size instead of speed")
     args = parser.parse_args()
     args.shards = args.shards or ("8,2" if args.memory else "4")
