@@ -307,7 +307,8 @@ class EvalConfig(_Section):
         "none", description="compositionality: summed or per-token log-likelihood"
     )
     random_init: bool = Field(
-        True, description="also probe the architecture at random init: eval/probe/NAME/random_init_accuracy and /gain"
+        True,
+        description="also probe the architecture at random init: eval/probe/NAME/random_init_accuracy, /gain and their balanced-accuracy twins",
     )
     probe_every: int | None = Field(None, ge=1, description="during training: the probes every N steps")
     compositionality_every: int | None = Field(

@@ -306,9 +306,8 @@ def eval_overrides(cifar10, shapes) -> list[str]:
 
 # Every figure that section measures, by the key every command logs it under (mdc/evaluation/suite.py).
 EVAL_KEYS = {
-    "eval/probe/cifar10/accuracy",
-    "eval/probe/cifar10/random_init_accuracy",
-    "eval/probe/cifar10/gain",
+    *(f"eval/probe/cifar10/{f}" for f in ("accuracy", "random_init_accuracy", "gain")),
+    *(f"eval/probe/cifar10/{f}" for f in ("balanced_accuracy", "random_init_balanced_accuracy", "balanced_gain")),
     *(f"eval/compositionality/aro/{s}{b}" for s in ("vg_relation", "vg_attribution", "macro") for b in ("", "/blind")),
     *(f"eval/captions/shapes/N8/{f}" for f in ("bleu4", "cider", "captions_per_s")),
 }

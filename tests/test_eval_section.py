@@ -124,6 +124,9 @@ def test_every_figure_under_its_key_equal_to_its_measurement_by_hand(judged, cif
     assert metrics["eval/probe/cifar10/accuracy"] == trained["accuracy"]
     assert metrics["eval/probe/cifar10/random_init_accuracy"] == baseline["accuracy"]
     assert metrics["eval/probe/cifar10/gain"] == trained["accuracy"] - baseline["accuracy"]
+    assert metrics["eval/probe/cifar10/balanced_accuracy"] == trained["balanced_accuracy"]
+    assert metrics["eval/probe/cifar10/random_init_balanced_accuracy"] == baseline["balanced_accuracy"]
+    assert metrics["eval/probe/cifar10/balanced_gain"] == trained["balanced_accuracy"] - baseline["balanced_accuracy"]
     items = compositionality.read_benchmark("aro", shapes_dir / "compositionality")
     _, score = compositionality.get_scorer("auto", "mdc")
     alone = compositionality.evaluate_compositionality(model, items, score, samples=2, seed=1, limit=8)
@@ -152,7 +155,9 @@ def test_subjects_built_alike_share_one_random_init_probe(monkeypatch, cifar10_d
     monkeypatch.setattr(suite, "_RANDOM_INIT", {})
     probed = []
     monkeypatch.setattr(
-        suite.probe, "linear_probe", lambda train, test, features: probed.append(1) or {"accuracy": 0.5}
+        suite.probe,
+        "linear_probe",
+        lambda train, test, features: probed.append(1) or {"accuracy": 0.5, "balanced_accuracy": 0.25},
     )
     spec = tiny(f"eval.probes=[{{dataset: cifar10, root: {cifar10_dir}}}]").eval.probes[0]
     split = readers.Split("x/train", [], torch.zeros(0), ["a"])
@@ -165,9 +170,12 @@ def test_subjects_built_alike_share_one_random_init_probe(monkeypatch, cifar10_d
         (["objective.name=mdc"], 0),
     ):
         subject = suite.of_captioner(None, tiny(*overrides))
-        assert suite._random_init_accuracy(subject, spec, split, split, seed) == 0.5
+        assert suite._random_init_probe(subject, spec, split, split, seed) == {
+            "accuracy": 0.5,
+            "balanced_accuracy": 0.25,
+        }
     other = spec.model_copy(update={"root": "/elsewhere"})
-    suite._random_init_accuracy(suite.of_captioner(None, tiny()), other, split, split, 0)
+    suite._random_init_probe(suite.of_captioner(None, tiny()), other, split, split, 0)
     assert len(probed) == 4  # the masked three at seed 0, seed 1, CLIP, other data
 
 

@@ -392,6 +392,23 @@ def test_fit_probe_chooses_c_on_held_out_train_and_scores_test():
     assert set(result["val_accuracy"]) == set(probe.DEFAULT_CS)
 
 
+def test_balanced_accuracy_is_the_mean_recall_over_the_test_classes():
+    """By hand: recalls 3/4, 1/2 and 0/1. A probe that answers the largest class everywhere scores
+    1/classes, however large that class is (top-1 gives it 4/7 here)."""
+    from sklearn.metrics import balanced_accuracy_score
+
+    labels, predicted = np.array([0, 0, 0, 0, 1, 1, 2]), np.array([0, 0, 0, 1, 1, 0, 0])
+    assert probe.balanced_accuracy(labels, predicted) == pytest.approx((3 / 4 + 1 / 2 + 0) / 3)
+    assert probe.balanced_accuracy(labels, np.zeros(7, int)) == pytest.approx(1 / 3)
+    assert probe.balanced_accuracy(labels, predicted) == pytest.approx(balanced_accuracy_score(labels, predicted))
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 300)
+    x = rng.normal(0, 3, (3, 8))[y] + rng.normal(0, 1, (300, 8))
+    result = probe.fit_probe(x[:200], y[:200], x[200:], y[200:])
+    classifier_hits = result["accuracy"] * 100
+    assert classifier_hits == round(classifier_hits) and 0.9 < result["balanced_accuracy"] <= 1.0
+
+
 def test_the_probe_chooses_c_without_looking_at_the_test_split():
     """C is chosen on a held-out part of train: with the test labels shuffled, `best_c` and every
     validation accuracy stay the same and only the test accuracy moves. Overlapping classes make

@@ -118,7 +118,9 @@ def test_scaling_curve_under_one_parent_and_rerun_trains_nothing(ray_cluster, sh
     for run in children.values():
         assert run.info.status == "FINISHED"
         assert {k for k in run.data.metrics if k.startswith("eval/")} == {
-            f"eval/probe/shapes/{figure}" for figure in ("accuracy", "random_init_accuracy", "gain")
+            f"eval/probe/shapes/{figure}"
+            for figure in ("accuracy", "random_init_accuracy", "gain")
+            + ("balanced_accuracy", "random_init_balanced_accuracy", "balanced_gain")
         }
         assert {m.step for m in client.get_metric_history(run.info.run_id, "eval/probe/shapes/accuracy")} == {6}
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "scaling")}

@@ -141,6 +141,7 @@ def test_a_set_an_arm_names_that_cannot_be_reached_stops_the_command_before_any_
     assert f"eval.probes.0.root: {tmp_path / 'no-cifar'} does not exist" in " ".join(result.output.split())
 
 
-def test_a_plan_of_one_arm_judges_its_claims_against_0():
+def test_a_plan_of_one_arm_judges_its_claims_against_0(tmp_path):
     plan = load_plan(Path("studies/emoji_gate.yaml"))
     assert list(plan.arms) == ["mdc"] and all(c.arm_b is None for c in plan.claims) and plan.claims[0].gate
+    run_configs(plan, Path("studies/emoji_gate.yaml"), tmp_path)  # its claims' figures (balanced_gain) exist

@@ -59,7 +59,8 @@ def fit_probe(
     seed: int = 0,
     max_iter: int = 1000,
 ) -> dict:
-    """Top-1 test accuracy of a logistic regression whose C is chosen on a held-out part of train."""
+    """Top-1 test accuracy (and balanced accuracy) of a logistic regression whose C is chosen on a
+    held-out part of train."""
     # Newton's Cholesky in float32 refuses a Hessian whose reciprocal condition is under float32's
     # epsilon (it falls back to lbfgs): the standardised features are float64 for it
     newton = train_x.shape[1] * len(np.unique(train_y)) <= NEWTON_MAX_COEFFICIENTS
@@ -88,15 +89,22 @@ def fit_probe(
 
     val_accuracy = {float(c): float(fitted(c, fit_x, fit_y).score(val_x, val_y)) for c in cs}
     best = max(val_accuracy, key=val_accuracy.get)  # the first (strongest regularisation) on ties
-    accuracy = float(fitted(best, train_x, train_y).score(test_x, test_y))
+    predicted = fitted(best, train_x, train_y).predict(test_x)
     return {
-        "accuracy": accuracy,
+        "accuracy": float(np.mean(predicted == test_y)),
+        "balanced_accuracy": balanced_accuracy(test_y, predicted),
         "best_c": best,
         "val_accuracy": val_accuracy,
         "num_train": int(len(train_y)),
         "num_test": int(len(test_y)),
         "unconverged_c": sorted(set(unconverged)),
     }
+
+
+def balanced_accuracy(labels: np.ndarray, predicted: np.ndarray) -> float:
+    """The mean over the test set's classes of each class's recall: a probe that answers the
+    largest class everywhere scores 1/classes, whatever that class's share of the test set."""
+    return float(np.mean([np.mean(predicted[labels == c] == c) for c in np.unique(labels)]))
 
 
 def linear_probe(train: Split, test: Split, features: Callable[[Split], np.ndarray], **fit_options) -> dict:

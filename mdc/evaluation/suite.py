@@ -5,6 +5,7 @@ training, `mdc tune`'s ranking, `mdc compare`, `mdc scaling`, `mdc study`, `mdc 
 so a figure has one MLflow key wherever it is measured:
 
     eval/probe/NAME/accuracy, eval/probe/NAME/random_init_accuracy, eval/probe/NAME/gain
+    eval/probe/NAME/balanced_accuracy, .../random_init_balanced_accuracy, .../balanced_gain
     eval/compositionality/NAME/SUBSET, eval/compositionality/NAME/SUBSET/blind  (SUBSET macro: their mean)
     eval/captions/NAME/N10/bleu4, eval/captions/NAME/N10/cider, eval/captions/NAME/N10/captions_per_s
 
@@ -42,13 +43,17 @@ CAPTION_FIGURES = ("bleu4", "cider", "captions_per_s")
 RUN_FIGURES = ("loss", "val_loss", "images_per_s")
 SET_FIELDS = ("probes", "compositionality", "captions")  # the section's lists, in the order of KINDS
 SPLIT_FOLDERS = ("train", "val", "test", "validation")
+# A probe's figures: top-1 accuracy, and balanced accuracy (the mean recall over the test classes),
+# which a test set of one large class (the emoji groups: People & Body is 65% of test/) needs beside it.
+PROBE_FIGURES = ("accuracy", "balanced_accuracy")
+GAINS = {"accuracy": "gain", "balanced_accuracy": "balanced_gain"}  # each figure over random init
 
 
 # ------------------------------------------------------------------------------------------ keys
 
 
 def probe_key(name: str, figure: str = "accuracy") -> str:
-    """eval/probe/NAME/FIGURE: accuracy, random_init_accuracy or gain."""
+    """eval/probe/NAME/FIGURE: a figure of PROBE_FIGURES, random_init_FIGURE, or its gain (GAINS)."""
     return f"{PREFIX}/probe/{name}/{figure}"
 
 
@@ -80,7 +85,7 @@ def figure_patterns(ev: EvalConfig) -> dict[str, str]:
     against."""
     figures = {key: re.escape(key) for key in RUN_FIGURES}
     for spec in ev.probes or ():
-        for figure in ("accuracy", "random_init_accuracy", "gain") if ev.random_init else ("accuracy",):
+        for figure in probe_figures(ev):
             figures[probe_key(spec.key, figure)] = re.escape(probe_key(spec.key, figure))
     for spec in ev.compositionality or ():
         shown = compositionality_key(spec.key, "SUBSET") + "[/blind]"
@@ -89,6 +94,13 @@ def figure_patterns(ev: EvalConfig) -> dict[str, str]:
         for key in (captions_key(spec.name, n, f) for n in spec.lengths for f in CAPTION_FIGURES):
             figures[key] = re.escape(key)
     return figures
+
+
+def probe_figures(ev: EvalConfig) -> tuple[str, ...]:
+    """The figures each probe of the section logs: PROBE_FIGURES, and with random_init the same at
+    random init and their gains."""
+    baseline = (*(f"random_init_{f}" for f in PROBE_FIGURES), *GAINS.values()) if ev.random_init else ()
+    return (*PROBE_FIGURES, *baseline)
 
 
 def check_figure(key: str, ev: EvalConfig, field_name: str) -> None:
@@ -415,45 +427,49 @@ def _splits(spec, endpoint_url: str | None) -> tuple[readers.Split, readers.Spli
     )
 
 
-_RANDOM_INIT: dict[tuple, float] = {}  # random-init accuracy by (baseline key, seed, probe dataset, root)
+_RANDOM_INIT: dict[tuple, dict[str, float]] = {}  # random-init figures by (baseline key, seed, probe dataset, root)
 
 
 def _probe(subject: Subject, spec, ev: EvalConfig, endpoint_url, baseline: dict, out: Evaluation) -> None:
     train, test = _splits(spec, endpoint_url)
     result = probe.linear_probe(train, test, subject.encoder_features)
-    out.metrics[probe_key(spec.key)] = result["accuracy"]
+    out.metrics.update({probe_key(spec.key, figure): result[figure] for figure in PROBE_FIGURES})
     out.details[probe_key(spec.key)] = result
     if not ev.random_init or subject.random_init is None:
         return
-    key = probe_key(spec.key, "random_init_accuracy")
-    random_init = baseline[key] if key in baseline else _random_init_accuracy(subject, spec, train, test, _seed(ev))
-    out.metrics[key] = random_init
-    out.metrics[probe_key(spec.key, "gain")] = result["accuracy"] - random_init
+    keys = {figure: probe_key(spec.key, f"random_init_{figure}") for figure in PROBE_FIGURES}
+    if all(key in baseline for key in keys.values()):
+        random_init = {figure: baseline[key] for figure, key in keys.items()}
+    else:
+        random_init = _random_init_probe(subject, spec, train, test, _seed(ev))
+    for figure, key in keys.items():
+        out.metrics[key] = random_init[figure]
+        out.metrics[probe_key(spec.key, GAINS[figure])] = result[figure] - random_init[figure]
 
 
-def _random_init_accuracy(subject: Subject, spec, train: readers.Split, test: readers.Split, seed: int) -> float:
-    """The probe of the subject's architecture at random init from `seed`, measured once per
-    baseline key."""
+def _random_init_probe(subject: Subject, spec, train: readers.Split, test: readers.Split, seed: int) -> dict:
+    """The probe's figures (PROBE_FIGURES) of the subject's architecture at random init from `seed`,
+    measured once per baseline key."""
     cache_key = (subject.baseline_key, seed, spec.dataset, spec.root) if subject.baseline_key else None
     if cache_key not in _RANDOM_INIT:
         features = functools.partial(subject.random_init_features, seed=seed)
-        accuracy = probe.linear_probe(train, test, features)["accuracy"]
+        result = probe.linear_probe(train, test, features)
+        figures = {figure: result[figure] for figure in PROBE_FIGURES}
         if cache_key is None:
-            return accuracy
-        _RANDOM_INIT[cache_key] = accuracy
+            return figures
+        _RANDOM_INIT[cache_key] = figures
     return _RANDOM_INIT[cache_key]
 
 
 def random_init_figures(subject: Subject, ev: EvalConfig, endpoint_url: str | None = None) -> dict[str, float]:
-    """The probes' random-init accuracies alone: measured once for all evaluations of a run."""
+    """The probes' random-init figures alone: measured once for all evaluations of a run."""
     if not ev.random_init or subject.random_init is None:
         return {}
-    return {
-        probe_key(spec.key, "random_init_accuracy"): _random_init_accuracy(
-            subject, spec, *_splits(spec, endpoint_url), _seed(ev)
-        )
-        for spec in ev.probes or ()
-    }
+    figures = {}
+    for spec in ev.probes or ():
+        for figure, value in _random_init_probe(subject, spec, *_splits(spec, endpoint_url), _seed(ev)).items():
+            figures[probe_key(spec.key, f"random_init_{figure}")] = value
+    return figures
 
 
 @contextlib.contextmanager

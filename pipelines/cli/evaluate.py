@@ -222,8 +222,9 @@ def probe_command(
         evaluation = suite.evaluate(subject, ev, ("probe",), endpoint_url)
     key = suite.probe_key(spec.key)
     result = {**evaluation.details[key], "checkpoint" if checkpoint else "encoder": source}
-    if suite.probe_key(spec.key, "random_init_accuracy") in evaluation.metrics:
-        result["random_init_accuracy"] = evaluation.metrics[suite.probe_key(spec.key, "random_init_accuracy")]
+    for figure in suite.PROBE_FIGURES:
+        if suite.probe_key(spec.key, f"random_init_{figure}") in evaluation.metrics:
+            result[f"random_init_{figure}"] = evaluation.metrics[suite.probe_key(spec.key, f"random_init_{figure}")]
     run = run_name("probe", spec.key, source)
     params = {"checkpoint" if checkpoint else "encoder": source, "dataset": dataset, "root": spec.root}
     step = checkpoint_step(source, endpoint_url) if step is None else step
