@@ -222,6 +222,37 @@ def test_ray_output_goes_to_the_log_and_mdc_lines_to_the_console_once(tmp_path, 
     assert ray_worker.print_to_stdstream.__name__ == "print_to_stdstream"  # put back
 
 
+AFTER_CTRL_C = """
+import logging, os, sys
+from pathlib import Path
+import ray._private.worker as ray_worker
+from pipelines.infra import ray_output
+log = Path(sys.argv[1])
+try:
+    with ray_output.ray_output_to(log):
+        raise KeyboardInterrupt
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+# what Ray says while the process ends: a raylet notice, its logger, its C++ core on fd 2
+ray_worker.print_to_stdstream({"pid": "raylet", "is_err": False, "lines": ["raylet notice"]}, ignore_prefix=False)
+logging.getLogger("ray").warning("SIGTERM handler is not set")
+os.write(2, b"core_worker.cc: a line\\n")
+"""
+
+
+def test_after_ctrl_c_ray_output_stays_in_the_log_until_the_process_ends(tmp_path):
+    """Left by Ctrl-C, the route is not undone: Ray's last lines, written while the process ends,
+    go to the log, and nothing follows the console's "interrupted" line (they did before)."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "ray.log"
+    proc = subprocess.run([sys.executable, "-c", AFTER_CTRL_C, str(log)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "interrupted\n" and proc.stderr == "", (proc.stdout, proc.stderr)
+    text = log.read_text()
+    assert "raylet notice" in text and "SIGTERM handler is not set" in text and "core_worker.cc: a line" in text
+
+
 def test_a_one_line_error_never_ends_at_a_colon():
     """Ray's dashboard failure quotes a log after a colon: the line keeps the log's last line (issue 52)."""
     from pipelines.infra.console import first_line_of

@@ -133,14 +133,9 @@ def ray_session(log_file: Path, address: str | None = None, verbose: bool = Fals
     with ray_output_to(log_file), warnings.catch_warnings():
         # Ray Train sets an execution option Ray Data deprecated: Ray's business, not the user's
         warnings.filterwarnings("ignore", r".*exclude_resources", RayDeprecationWarning)
-        connected_here = not ray.is_initialized()
         try:
             connect_ray(address, num_cpus)
             yield
-        except KeyboardInterrupt:
-            if connected_here:  # the process ends: Ray's last lines go to log_file, not after "interrupted"
-                ray.shutdown()
-            raise
         except Exception as err:
             if isinstance(err, (typer.Exit, *user_error_types())):
                 raise

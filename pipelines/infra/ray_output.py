@@ -52,15 +52,22 @@ def install_output_route() -> None:
     _LogRoute.install()
 
 
+_UNTIL_EXIT: list[contextlib.ExitStack] = []  # the routes a Ctrl-C left in place
+
+
 @contextlib.contextmanager
 def ray_output_to(log_file: Path):
     """While inside, Ray's output goes to `log_file` instead of the console: the workers' forwarded
     stdout/stderr, the raylet's notices, Ray's (and MLflow's) Python loggers in this process, Ray
     Data's progress bars, and what Ray's C++ core writes to this process's stderr (fd 2; Python's
     sys.stderr stays on the console). Lines that workers print with an `[mdc] ` prefix (rank 0's
-    notices) still reach the console, once each."""
+    notices) still reach the console, once each. Left by Ctrl-C, nothing is undone: the process is
+    ending, and what Ray says until it has (its exit handler ending the Ray Train jobs, the runs'
+    threads) goes to `log_file`, not after the console's "interrupted" line."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "a", buffering=1) as sink, contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
+        sink = open(log_file, "a", buffering=1)
+        stack.callback(sink.close)
         route = _router(sink)
         stack.enter_context(_loggers_to(sink))
         data_context = ray.data.DataContext.get_current()
@@ -71,7 +78,11 @@ def ray_output_to(log_file: Path):
         _LogRoute.install()
         stack.callback(_LogRoute.uninstall)
         stack.enter_context(_fd2_to(sink))
-        yield log_file
+        try:
+            yield log_file
+        except KeyboardInterrupt:
+            _UNTIL_EXIT.append(stack.pop_all())  # held: a collected stack's generators would undo the route
+            raise
 
 
 def _router(sink):
