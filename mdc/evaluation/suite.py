@@ -433,18 +433,19 @@ _RANDOM_INIT: dict[tuple, dict[str, float]] = {}  # random-init figures by (base
 def _probe(subject: Subject, spec, ev: EvalConfig, endpoint_url, baseline: dict, out: Evaluation) -> None:
     train, test = _splits(spec, endpoint_url)
     result = probe.linear_probe(train, test, subject.encoder_features)
-    out.metrics.update({probe_key(spec.key, figure): result[figure] for figure in PROBE_FIGURES})
     out.details[probe_key(spec.key)] = result
-    if not ev.random_init or subject.random_init is None:
-        return
     keys = {figure: probe_key(spec.key, f"random_init_{figure}") for figure in PROBE_FIGURES}
-    if all(key in baseline for key in keys.values()):
+    if not ev.random_init or subject.random_init is None:
+        random_init = None
+    elif all(key in baseline for key in keys.values()):
         random_init = {figure: baseline[key] for figure, key in keys.items()}
     else:
         random_init = _random_init_probe(subject, spec, train, test, _seed(ev))
-    for figure, key in keys.items():
-        out.metrics[key] = random_init[figure]
-        out.metrics[probe_key(spec.key, GAINS[figure])] = result[figure] - random_init[figure]
+    for figure, key in keys.items():  # each figure beside its random-init value and gain
+        out.metrics[probe_key(spec.key, figure)] = result[figure]
+        if random_init is not None:
+            out.metrics[key] = random_init[figure]
+            out.metrics[probe_key(spec.key, GAINS[figure])] = result[figure] - random_init[figure]
 
 
 def _random_init_probe(subject: Subject, spec, train: readers.Split, test: readers.Split, seed: int) -> dict:
